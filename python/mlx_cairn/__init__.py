@@ -1,0 +1,33 @@
+"""mlx-cairn: a local LLM server on MLX with a Rust core.
+
+Public entry points::
+
+    from mlx_cairn import Engine                 # the serving engine
+    from mlx_cairn.text import StopScanner, OutputParser
+    from mlx_cairn.kv import BlockPool, PrefixCache
+    from mlx_cairn.sse import encode_event, SseDecoder
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from mlx_cairn import _blas
+
+_blas.ensure()  # must run before anything imports mlx.core
+
+__version__ = "0.1.0"
+
+if TYPE_CHECKING:
+    from mlx_cairn.engine import Engine
+
+__all__ = ["Engine", "__version__"]
+
+
+def __getattr__(name: str) -> Any:
+    # Lazy so that `import mlx_cairn.text` does not pull in MLX.
+    if name == "Engine":
+        from mlx_cairn.engine import Engine
+
+        return Engine
+    raise AttributeError(f"module 'mlx_cairn' has no attribute {name!r}")

@@ -1,0 +1,1 @@
+"""mlx_cairn.api (see DESIGN.md §1)."""

@@ -1,0 +1,1 @@
+"""mlx_cairn.chat (see DESIGN.md §1)."""

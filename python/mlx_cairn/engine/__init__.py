@@ -1,0 +1,1 @@
+"""mlx_cairn.engine (see DESIGN.md §1)."""

@@ -1,0 +1,1 @@
+"""mlx_cairn.models (see DESIGN.md §1)."""

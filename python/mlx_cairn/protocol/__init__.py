@@ -1,0 +1,1 @@
+"""mlx_cairn.protocol (see DESIGN.md §1)."""

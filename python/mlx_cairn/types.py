@@ -1,0 +1,138 @@
+"""The shared vocabulary: a dialect-neutral chat request and the Event stream.
+
+Every dialect (Anthropic Messages, OpenAI Chat Completions, OpenAI Responses)
+maps its request body to a :class:`ChatRequest`; the engine turns it into an
+async stream of :data:`Event`; each dialect encodes that stream as SSE or
+folds it into one JSON body (DESIGN.md §1). Nothing here imports MLX.
+
+Example::
+
+    req = ChatRequest(messages=[Message("user", "Hi")], max_tokens=32)
+    async for ev in engine.generate(req):
+        if isinstance(ev, TextDelta):
+            print(ev.text, end="")
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+Role = Literal["system", "user", "assistant", "tool"]
+StopReason = Literal["end_turn", "max_tokens", "stop_sequence", "tool_use"]
+
+
+@dataclass(frozen=True, slots=True)
+class ToolCall:
+    """A tool call, both as an Event and inside an assistant :class:`Message`.
+
+    ``arguments`` is the JSON text of an object (``"{}"`` when empty).
+    """
+
+    id: str
+    name: str
+    arguments: str
+
+
+@dataclass(slots=True)
+class Message:
+    """One conversation turn in dialect-neutral form."""
+
+    role: Role
+    content: str = ""
+    #: Reasoning text an assistant produced in an earlier turn.
+    reasoning: str | None = None
+    tool_calls: list[ToolCall] = field(default_factory=list)
+    #: For role "tool": the id of the call this result answers, and its name.
+    tool_call_id: str | None = None
+    name: str | None = None
+    is_error: bool = False
+
+
+@dataclass(slots=True)
+class Tool:
+    """A function the model may call; ``parameters`` is a JSON Schema object."""
+
+    name: str
+    description: str = ""
+    parameters: dict[str, Any] = field(default_factory=lambda: {"type": "object", "properties": {}})
+
+
+@dataclass(slots=True)
+class SamplingParams:
+    """Per-request sampling settings. ``temperature == 0`` means greedy."""
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0: off
+    min_p: float = 0.0  # 0: off
+    seed: int | None = None
+
+
+@dataclass(slots=True)
+class ChatRequest:
+    """A validated, dialect-neutral generation request."""
+
+    messages: list[Message]
+    model: str = ""
+    max_tokens: int = 256
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    stop: list[str] = field(default_factory=list)
+    tools: list[Tool] = field(default_factory=list)
+    #: "auto" | "none" | "required" | {"name": ...}; None means "auto".
+    tool_choice: str | dict[str, Any] | None = None
+    #: Reasoning switch: None = the model's default, else on / off.
+    reasoning: bool | None = None
+    #: Keeps prefix-cache entries of different tenants apart (DESIGN.md §3).
+    cache_salt: str | None = None
+    #: Extra keyword arguments for the chat template.
+    template_kwargs: dict[str, Any] = field(default_factory=dict)
+
+
+# --------------------------------------------------------------------- events
+
+
+@dataclass(frozen=True, slots=True)
+class TextDelta:
+    text: str
+
+
+@dataclass(frozen=True, slots=True)
+class ReasoningDelta:
+    text: str
+
+
+@dataclass(frozen=True, slots=True)
+class Usage:
+    input_tokens: int = 0
+    output_tokens: int = 0
+    #: Prompt tokens served from the prefix cache (real hits).
+    cached_tokens: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class Timings:
+    queue_ms: float = 0.0
+    ttft_ms: float = 0.0
+    prefill_tokens_per_s: float = 0.0
+    decode_tokens_per_s: float = 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class Done:
+    stop_reason: StopReason
+    matched_stop: str | None = None
+    usage: Usage = field(default_factory=Usage)
+    timings: Timings = field(default_factory=Timings)
+
+
+@dataclass(frozen=True, slots=True)
+class Error:
+    """A failure after the stream started. ``kind`` is one of the
+    :mod:`mlx_cairn.errors` kinds ("internal", "overloaded", ...)."""
+
+    kind: str
+    message: str
+
+
+Event = TextDelta | ReasoningDelta | ToolCall | Done | Error

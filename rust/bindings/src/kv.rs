@@ -1,0 +1,6 @@
+//! Python wrappers for `cairn-kv`.
+use pyo3::prelude::*;
+
+pub fn register(_m: &Bound<'_, PyModule>) -> PyResult<()> {
+    Ok(())
+}

@@ -1,0 +1,6 @@
+//! Python wrappers for `cairn-text`.
+use pyo3::prelude::*;
+
+pub fn register(_m: &Bound<'_, PyModule>) -> PyResult<()> {
+    Ok(())
+}

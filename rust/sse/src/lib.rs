@@ -1,0 +1,1 @@
+//! cairn-sse: see DESIGN.md §3. Pure Rust, no pyo3.
