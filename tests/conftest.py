@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import os
 
-import mlx_cairn  # noqa: F401  (loads the optimized BLAS before any test imports mlx)
 from hypothesis import HealthCheck, settings
+
+import mlx_cairn  # noqa: F401  (loads the optimized BLAS before any test imports mlx)
 
 settings.register_profile(
     "cairn",
