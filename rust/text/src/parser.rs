@@ -14,7 +14,7 @@ use crate::tags::{MISTRAL_CALLS, PYTHON_TAG, THINK_CLOSE, THINK_OPEN, TOOL_CLOSE
 use crate::{toolcall, Family, TextError};
 
 /// A parsed tool call.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
 pub struct ToolCall {
     pub name: String,
     /// JSON text of an object (`{}` when the call has no arguments).
@@ -25,7 +25,7 @@ pub struct ToolCall {
 }
 
 /// One piece of parsed model output.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
 pub enum Segment {
     Text(String),
     Reasoning(String),
@@ -114,7 +114,7 @@ impl OutputParser {
             Some(Family::Hermes | Family::Qwen3Coder) => {
                 text.extend([(TOOL_OPEN, Tag::ToolOpen), (TOOL_CLOSE, Tag::ToolClose)])
             }
-            Some(Family::Llama3) => text.push((PYTHON_TAG, Tag::PythonTag)),
+            Some(Family::Llama3) => text.push((PYTHON_TAG, Tag::PythonCall)),
             Some(Family::Mistral) => text.push((MISTRAL_CALLS, Tag::MistralCalls)),
             None => {}
         }
@@ -367,7 +367,7 @@ impl OutputParser {
                 self.mode = Mode::Reasoning;
             }
             (Mode::Text, Tag::ToolOpen) => self.open_body(Mode::Tagged),
-            (Mode::Text, Tag::PythonTag) => self.open_body(Mode::Python),
+            (Mode::Text, Tag::PythonCall) => self.open_body(Mode::Python),
             (Mode::Text, Tag::MistralCalls) => self.open_body(Mode::Mistral),
             (Mode::Reasoning, Tag::ThinkClose) => {
                 self.mode = Mode::Text;
@@ -397,7 +397,12 @@ impl OutputParser {
 
     /// Parses the collected body; on failure the raw text (with its tags)
     /// becomes visible text so nothing the model wrote is lost.
-    fn finish_body(&mut self, open: &str, close: &str, parse: fn(&str) -> Option<Vec<crate::ToolCall>>) {
+    fn finish_body(
+        &mut self,
+        open: &str,
+        close: &str,
+        parse: fn(&str) -> Option<Vec<crate::ToolCall>>,
+    ) {
         let body = take(&mut self.body);
         self.mode = Mode::Text;
         match parse(&body) {

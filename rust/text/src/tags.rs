@@ -83,7 +83,7 @@ pub(crate) enum Tag {
     ThinkClose,
     ToolOpen,
     ToolClose,
-    PythonTag,
+    PythonCall,
     MistralCalls,
     Marker,
 }

@@ -40,7 +40,11 @@ fn calls(raw: &str, found: Vec<(String, String)>) -> Vec<ToolCall> {
         .map(|(i, (name, arguments))| ToolCall {
             name,
             arguments,
-            raw: if i == 0 { raw.to_owned() } else { String::new() },
+            raw: if i == 0 {
+                raw.to_owned()
+            } else {
+                String::new()
+            },
         })
         .collect()
 }
@@ -78,7 +82,10 @@ fn parse_xml_function(s: &str) -> Option<(String, String)> {
     loop {
         rest = rest.trim_start();
         if let Some(after) = rest.strip_prefix("</function>") {
-            return after.trim().is_empty().then(|| (name.to_owned(), Value::Object(args).to_string()));
+            return after
+                .trim()
+                .is_empty()
+                .then(|| (name.to_owned(), Value::Object(args).to_string()));
         }
         let p = rest.strip_prefix("<parameter=")?;
         let gt = p.find('>')?;
@@ -99,7 +106,8 @@ fn parse_xml_function(s: &str) -> Option<(String, String)> {
         };
         let value = value.strip_prefix('\n').unwrap_or(value);
         let value = value.strip_suffix('\n').unwrap_or(value);
-        let v = serde_json::from_str::<Value>(value).unwrap_or_else(|_| Value::String(value.to_owned()));
+        let v = serde_json::from_str::<Value>(value)
+            .unwrap_or_else(|_| Value::String(value.to_owned()));
         args.insert(pname.to_owned(), v);
         rest = next;
     }
@@ -128,7 +136,11 @@ pub(crate) fn parse_mistral(body: &str) -> Option<Vec<ToolCall>> {
     let t = body.trim();
     if t.starts_with('[') {
         let v: Value = serde_json::from_str(t).ok()?;
-        let found = v.as_array()?.iter().map(call_from_value).collect::<Option<Vec<_>>>()?;
+        let found = v
+            .as_array()?
+            .iter()
+            .map(call_from_value)
+            .collect::<Option<Vec<_>>>()?;
         return (!found.is_empty()).then(|| calls(body, found));
     }
     if t.starts_with('{') {
@@ -153,14 +165,30 @@ mod tests {
     #[test]
     fn json_call_shapes() {
         let c = parse_json_call(r#"{"name": "f", "arguments": {"a": 1, "b": [2]}}"#).unwrap();
-        assert_eq!((c[0].name.as_str(), c[0].arguments.as_str()), ("f", r#"{"a":1,"b":[2]}"#));
+        assert_eq!(
+            (c[0].name.as_str(), c[0].arguments.as_str()),
+            ("f", r#"{"a":1,"b":[2]}"#)
+        );
         let c = parse_json_call(r#" {"name": "f", "arguments": "{\"a\": 1}"} "#).unwrap();
         assert_eq!(c[0].arguments, r#"{"a":1}"#);
         let c = parse_json_call(r#"{"name": "f"}"#).unwrap();
         assert_eq!(c[0].arguments, "{}");
-        let c = parse_json_call(r#"{"function": {"name": "g", "parameters": {"z": 0, "a": 1}}}"#).unwrap();
-        assert_eq!((c[0].name.as_str(), c[0].arguments.as_str()), ("g", r#"{"z":0,"a":1}"#));
-        for bad in [r#"{"arguments": {}}"#, r#"{"name": ""}"#, r#"{"name": 3}"#, r#"{"name": "f", "arguments": [1]}"#, r#"{"name": "f", "arguments": "x"}"#, "{", "[]", ""] {
+        let c = parse_json_call(r#"{"function": {"name": "g", "parameters": {"z": 0, "a": 1}}}"#)
+            .unwrap();
+        assert_eq!(
+            (c[0].name.as_str(), c[0].arguments.as_str()),
+            ("g", r#"{"z":0,"a":1}"#)
+        );
+        for bad in [
+            r#"{"arguments": {}}"#,
+            r#"{"name": ""}"#,
+            r#"{"name": 3}"#,
+            r#"{"name": "f", "arguments": [1]}"#,
+            r#"{"name": "f", "arguments": "x"}"#,
+            "{",
+            "[]",
+            "",
+        ] {
             assert!(parse_json_call(bad).is_none(), "{bad}");
         }
     }
@@ -170,29 +198,47 @@ mod tests {
         let body = "\n<function=get_weather>\n<parameter=city>\nNew York\n</parameter>\n<parameter=days>\n3\n</parameter>\n<parameter=opts>\n{\"unit\": \"C\"}\n</parameter>\n</function>\n";
         let c = parse_tagged_body(body).unwrap();
         assert_eq!(c[0].name, "get_weather");
-        assert_eq!(c[0].arguments, r#"{"city":"New York","days":3,"opts":{"unit":"C"}}"#);
+        assert_eq!(
+            c[0].arguments,
+            r#"{"city":"New York","days":3,"opts":{"unit":"C"}}"#
+        );
         assert_eq!(c[0].raw, body);
         // Missing </parameter> ends at the next parameter.
-        let c = parse_tagged_body("<function=f><parameter=a>x<parameter=b>true</function>").unwrap();
+        let c =
+            parse_tagged_body("<function=f><parameter=a>x<parameter=b>true</function>").unwrap();
         assert_eq!(c[0].arguments, r#"{"a":"x","b":true}"#);
         let c = parse_tagged_body("<function=f></function>").unwrap();
         assert_eq!(c[0].arguments, "{}");
-        for bad in ["<function=f>", "<function=>x</function>", "<function=f><parameter=a>1</parameter>", "<function=f></function> tail"] {
+        for bad in [
+            "<function=f>",
+            "<function=>x</function>",
+            "<function=f><parameter=a>1</parameter>",
+            "<function=f></function> tail",
+        ] {
             assert!(parse_tagged_body(bad).is_none(), "{bad}");
         }
     }
 
     #[test]
     fn llama_and_mistral() {
-        let c = parse_llama(r#"{"name": "a", "parameters": {"x": 1}}; {"name": "b", "parameters": {}}"#).unwrap();
+        let c = parse_llama(
+            r#"{"name": "a", "parameters": {"x": 1}}; {"name": "b", "parameters": {}}"#,
+        )
+        .unwrap();
         assert_eq!(c.len(), 2);
         assert_eq!((c[1].name.as_str(), c[1].raw.as_str()), ("b", ""));
         assert!(parse_llama("brave_search.call(query=\"x\")").is_none());
         assert!(parse_llama(r#"{"name": "a"} trailing"#).is_none());
-        let c = parse_mistral(r#"[{"name": "a", "arguments": {"x": 1}}, {"name": "b", "arguments": {}}]"#).unwrap();
+        let c = parse_mistral(
+            r#"[{"name": "a", "arguments": {"x": 1}}, {"name": "b", "arguments": {}}]"#,
+        )
+        .unwrap();
         assert_eq!((c.len(), c[0].arguments.as_str()), (2, r#"{"x":1}"#));
         let c = parse_mistral(r#"get_weather[ARGS]{"city": "Paris"}"#).unwrap();
-        assert_eq!((c[0].name.as_str(), c[0].arguments.as_str()), ("get_weather", r#"{"city":"Paris"}"#));
+        assert_eq!(
+            (c[0].name.as_str(), c[0].arguments.as_str()),
+            ("get_weather", r#"{"city":"Paris"}"#)
+        );
         let c = parse_mistral(r#"f[CALL_ID]abc123[ARGS]{}"#).unwrap();
         assert_eq!(c[0].name, "f");
         assert!(parse_mistral("[]").is_none());

@@ -33,7 +33,10 @@ fn must_hold_cases() {
         run(&["a", "is"], &[" The user is a"], true),
         (" The user ".into(), Some("is".into()))
     );
-    assert_eq!(run(&["abc", "b"], &["abc"], true), ("a".into(), Some("b".into())));
+    assert_eq!(
+        run(&["abc", "b"], &["abc"], true),
+        ("a".into(), Some("b".into()))
+    );
     assert_eq!(
         run(&["gani"], &["VLLM is a 100% volunteer organization"], true),
         ("VLLM is a 100% volunteer or".into(), Some("gani".into()))
@@ -62,12 +65,24 @@ fn nothing_after_a_match() {
 #[test]
 fn ties_and_priorities() {
     // Same end: the one listed first wins, even when it is shorter.
-    assert_eq!(run(&["c", "abc"], &["xabc"], true), ("xab".into(), Some("c".into())));
-    assert_eq!(run(&["abc", "c"], &["xabc"], true), ("x".into(), Some("abc".into())));
+    assert_eq!(
+        run(&["c", "abc"], &["xabc"], true),
+        ("xab".into(), Some("c".into()))
+    );
+    assert_eq!(
+        run(&["abc", "c"], &["xabc"], true),
+        ("x".into(), Some("abc".into()))
+    );
     // Earliest completion wins over a longer match that starts earlier.
-    assert_eq!(run(&["abcd", "bc"], &["abcd"], true), ("a".into(), Some("bc".into())));
+    assert_eq!(
+        run(&["abcd", "bc"], &["abcd"], true),
+        ("a".into(), Some("bc".into()))
+    );
     // Duplicates are harmless.
-    assert_eq!(run(&["x", "x"], &["ax"], true), ("a".into(), Some("x".into())));
+    assert_eq!(
+        run(&["x", "x"], &["ax"], true),
+        ("a".into(), Some("x".into()))
+    );
 }
 
 #[test]
@@ -76,15 +91,24 @@ fn utf8_stops_and_text() {
         let text = "héllo wörld ✓ ende 🙂 fin";
         let chunks = chunks_of(text, n);
         let refs: Vec<&str> = chunks.iter().map(|s| s.as_str()).collect();
-        assert_eq!(run(&["✓ e"], &refs, true), ("héllo wörld ".into(), Some("✓ e".into())));
-        assert_eq!(run(&["🙂"], &refs, true), ("héllo wörld ✓ ende ".into(), Some("🙂".into())));
+        assert_eq!(
+            run(&["✓ e"], &refs, true),
+            ("héllo wörld ".into(), Some("✓ e".into()))
+        );
+        assert_eq!(
+            run(&["🙂"], &refs, true),
+            ("héllo wörld ✓ ende ".into(), Some("🙂".into()))
+        );
         assert_eq!(run(&["🙃"], &refs, true), (text.into(), None));
     }
 }
 
 #[test]
 fn empty_stop_is_an_error_and_empty_list_passes_through() {
-    assert_eq!(StopScanner::new(&["a", ""]).unwrap_err(), TextError::EmptyStop { index: 1 });
+    assert_eq!(
+        StopScanner::new(&["a", ""]).unwrap_err(),
+        TextError::EmptyStop { index: 1 }
+    );
     let mut s = StopScanner::new::<&str>(&[]).unwrap();
     assert_eq!(s.push("anything ###"), ("anything ###".into(), None));
 }
@@ -98,7 +122,11 @@ fn differential_against_naive_reference() {
         let stops: Vec<String> = (0..nstops)
             .map(|_| {
                 let s = random_text(&mut rng, &alphabet, 4);
-                if s.is_empty() { "a".into() } else { s }
+                if s.is_empty() {
+                    "a".into()
+                } else {
+                    s
+                }
             })
             .collect();
         let stops: Vec<&str> = stops.iter().map(|s| s.as_str()).collect();
@@ -119,10 +147,18 @@ fn differential_against_naive_reference() {
             }
             // Before a match, exactly the longest stop-prefix suffix is held.
             let keep = reference::stop_holdback(&stops, &seen);
-            assert_eq!(out, seen[..seen.len() - keep], "stops {stops:?} text {text:?}");
+            assert_eq!(
+                out,
+                seen[..seen.len() - keep],
+                "stops {stops:?} text {text:?}"
+            );
             assert_eq!(s.held(), &seen[seen.len() - keep..]);
         }
         out.push_str(&s.flush());
-        assert_eq!((out.as_str(), got_stop), (want_text.as_str(), want_stop), "stops {stops:?} text {text:?}");
+        assert_eq!(
+            (out.as_str(), got_stop),
+            (want_text.as_str(), want_stop),
+            "stops {stops:?} text {text:?}"
+        );
     }
 }
