@@ -3,18 +3,20 @@
 Users import the facades `mlx_cairn.text`, `mlx_cairn.sse` and `mlx_cairn.kv`.
 """
 
+from collections.abc import Iterable, Sequence
+from typing import Any, Literal, TypeAlias, final
+
+from typing_extensions import Buffer
+
 __version__: str
-# pyo3 lists every registered name in __all__; each section appends its own.
-__all__ = ["__version__"]
-
-# ---------------------------------------------------------------------------
-# text: stop-sequence scanner and output parser (rust/text, bindings/src/text.rs)
-# ---------------------------------------------------------------------------
-
-from collections.abc import Sequence
-from typing import Literal, final
-
-__all__ += [
+# Names the extension exports (pyo3 fills __all__); each section lists its own.
+__all__ = [  # noqa: RUF022  (grouped by section)
+    "__version__",
+    # kv
+    "BlockHashes",
+    "BlockPool",
+    "PrefixCache",
+    # text
     "FAMILIES",
     "OutputParser",
     "Segment",
@@ -23,6 +25,10 @@ __all__ += [
     "coalesce",
     "parse_output",
 ]
+
+# ---------------------------------------------------------------------------
+# text: stop-sequence scanner and output parser (rust/text, bindings/src/text.rs)
+# ---------------------------------------------------------------------------
 
 #: Tool-call family names accepted by ``family=``.
 FAMILIES: list[str]
@@ -127,5 +133,81 @@ def coalesce(segments: Sequence[Segment]) -> list[Segment]: ...
 # ---------------------------------------------------------------------------
 # kv: block pool and prefix cache (rust/kv, bindings/src/kv.rs)
 # ---------------------------------------------------------------------------
+
+# Token ids: a list/tuple/iterable of ints or a 1-D integer buffer (numpy int32,
+# array.array("i")), each in 0..2**31. (Stub-only alias.)
+_TokenIds: TypeAlias = Iterable[int] | Buffer
+
+@final
+class BlockPool:
+    """Fixed-size KV block allocator; block 0 is reserved, ids are 1..num_blocks-1.
+
+    Freed blocks go to the tail of an LRU free list and keep their prefix-cache
+    hash until ``allocate`` re-uses them (evicting the hash then).
+    """
+
+    def __new__(cls, num_blocks: int, block_size: int) -> BlockPool: ...
+    @property
+    def num_blocks(self) -> int:
+        """Total block ids, including the reserved block 0."""
+    @property
+    def block_size(self) -> int:
+        """Tokens per block."""
+    @property
+    def num_free_blocks(self) -> int:
+        """Blocks allocatable now (refcount 0, cached or not)."""
+    def allocate(self, n: int) -> list[int] | None:
+        """``n`` fresh blocks with refcount 1, least recently freed first; None if fewer are free."""
+    def free(self, block_ids: _TokenIds) -> None:
+        """Drop one reference from each block (in reverse order); ValueError and no change on bad ids."""
+    def refcount(self, block_id: int) -> int:
+        """Current references on ``block_id`` (0 for block 0)."""
+    def free_list(self) -> list[int]:
+        """Free block ids in eviction order, next to be re-used first. O(num_free)."""
+    def check_invariants(self) -> None:
+        """Raise RuntimeError if an internal invariant is broken. O(num_blocks); for tests."""
+
+@final
+class BlockHashes:
+    """Chained hashes of a prompt's full blocks, from ``PrefixCache.hash_blocks``.
+
+    Pass it to ``lookup``/``insert`` of the same cache instead of the token ids to
+    hash a prompt once. The salt given to ``hash_blocks`` is part of it.
+    """
+
+    @property
+    def num_tokens(self) -> int:
+        """Length of the prompt that was hashed (including a partial last block)."""
+    def __len__(self) -> int: ...
+    def __getitem__(self, index: int, /) -> int:
+        """The 128-bit hash of block ``index`` as an int."""
+
+@final
+class PrefixCache:
+    """Content-addressed prefix cache over a ``BlockPool`` (see ``mlx_cairn.kv``)."""
+
+    def __new__(cls, pool: BlockPool, seed: int | None = None) -> PrefixCache: ...
+    @property
+    def pool(self) -> BlockPool: ...
+    @property
+    def block_size(self) -> int: ...
+    def hash_blocks(self, tokens: _TokenIds, salt: str | bytes | None = None) -> BlockHashes:
+        """Hash every full block of ``tokens`` once, for reuse by lookup and insert."""
+    def lookup(self, tokens: _TokenIds | BlockHashes, salt: str | bytes | None = None) -> list[int]:
+        """Block ids of the longest cached run of full blocks, one reference taken on each.
+
+        Never covers the whole prompt: at most ``(len(tokens) - 1) // block_size`` blocks.
+        """
+    def insert(
+        self,
+        tokens: _TokenIds | BlockHashes,
+        block_ids: _TokenIds,
+        salt: str | bytes | None = None,
+    ) -> int:
+        """Register the full blocks of ``tokens`` as held in ``block_ids``; returns new entries."""
+    def block_hash(self, block_id: int) -> int | None:
+        """The hash ``block_id`` is cached under, or None."""
+    def stats(self) -> dict[str, Any]:
+        """blocks_total/free/in_use/cached, lookups, hit_tokens, miss_tokens, evictions."""
 
 # (end of kv section)

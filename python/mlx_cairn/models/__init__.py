@@ -1,1 +1,24 @@
-"""mlx_cairn.models (see DESIGN.md §1)."""
+"""Model loading and architectures (DESIGN.md §1).
+
+Example::
+
+    from mlx_cairn.models import load
+    lm = load()                       # the embedded default SmolLM2 GGUF
+    lm = load("/path/to/hf-folder")   # HF / MLX-quantized folder, or a .gguf file
+"""
+
+from mlx_cairn.models.cache import ContiguousKVCache
+from mlx_cairn.models.llama import SUPPORTED_MODEL_TYPES, LlamaModel, ModelArgs
+from mlx_cairn.models.loaded import LoadedModel
+
+__all__ = [
+    "SUPPORTED_MODEL_TYPES",
+    "ContiguousKVCache",
+    "LlamaModel",
+    "LoadedModel",
+    "ModelArgs",
+]
+
+from mlx_cairn.models.loader import default_model_path, load
+
+__all__ += ["default_model_path", "load"]

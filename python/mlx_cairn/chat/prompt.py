@@ -1,0 +1,59 @@
+"""ChatRequest -> rendered prompt text -> prompt token ids.
+
+Example::
+
+    prompt = build_prompt(req, template, tokenizer, reasoning)
+    prompt.ids            # what the engine prefills
+    prompt.in_reasoning   # generation starts inside <think>
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from mlx_cairn.chat.detect import ReasoningInfo, starts_in_reasoning
+from mlx_cairn.chat.template import ChatTemplate
+from mlx_cairn.chat.tokenizer import Tokenizer
+from mlx_cairn.types import ChatRequest
+
+
+@dataclass(frozen=True, slots=True)
+class Prompt:
+    """A rendered prompt."""
+
+    text: str
+    ids: list[int]
+    #: The template left a ``<think>`` block open: output starts as reasoning.
+    in_reasoning: bool
+
+
+def template_kwargs(req: ChatRequest, reasoning: ReasoningInfo) -> dict[str, Any]:
+    """Extra template variables for ``req`` (the reasoning switch, then the request's own)."""
+    kwargs: dict[str, Any] = {}
+    if reasoning.kwarg is not None and req.reasoning is not None:
+        kwargs[reasoning.kwarg] = req.reasoning
+    kwargs.update(req.template_kwargs)
+    return kwargs
+
+
+def build_prompt(
+    req: ChatRequest,
+    template: ChatTemplate,
+    tokenizer: Tokenizer,
+    reasoning: ReasoningInfo,
+) -> Prompt:
+    """Render ``req`` through the chat template and tokenize it (HF semantics).
+
+    Tools are passed unless ``tool_choice == "none"``. BOS is prepended only
+    when the tokenizer asks for it and the template did not write it.
+    """
+    tools = req.tools if req.tools and req.tool_choice != "none" else None
+    text = template.render(
+        req.messages, tools, add_generation_prompt=True, **template_kwargs(req, reasoning)
+    )
+    ids = tokenizer.encode(text)
+    bos = tokenizer.bos_token_id
+    if tokenizer.add_bos and bos is not None and (not ids or ids[0] != bos):
+        ids.insert(0, bos)
+    return Prompt(text=text, ids=ids, in_reasoning=starts_in_reasoning(text, reasoning))

@@ -1,0 +1,231 @@
+"""Chat templates rendered with Jinja2 the way Hugging Face ``apply_chat_template`` does.
+
+Same environment (sandboxed, ``trim_blocks``, ``lstrip_blocks``, loop
+controls), the same helpers (``raise_exception``, ``tojson``,
+``strftime_now``, the ``{% generation %}`` tag) and the same variables
+(``messages``, ``tools``, ``add_generation_prompt``, special-token strings,
+extra kwargs such as ``enable_thinking``).
+
+Example::
+
+    tpl = ChatTemplate(source, bos_token="<s>", eos_token="</s>")
+    text = tpl.render([Message("user", "Hi")], tools=None)
+"""
+
+from __future__ import annotations
+
+import json
+from datetime import datetime
+from typing import Any
+
+import jinja2
+import jinja2.ext
+import jinja2.nodes
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+from mlx_cairn.errors import InvalidRequest, ModelLoadError
+from mlx_cairn.types import Message, Tool
+
+
+class TemplateRaise(Exception):
+    """Raised by a template's ``raise_exception(...)``."""
+
+
+def _raise_exception(message: str) -> None:
+    raise TemplateRaise(message)
+
+
+def _tojson(
+    x: Any,
+    ensure_ascii: bool = False,
+    indent: int | None = None,
+    separators: tuple[str, str] | None = None,
+    sort_keys: bool = False,
+) -> str:
+    # Unlike Jinja's built-in, HF's tojson does not HTML-escape.
+    return json.dumps(
+        x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
+    )
+
+
+def _strftime_now(fmt: str) -> str:
+    return datetime.now().strftime(fmt)
+
+
+class _GenerationTag(jinja2.ext.Extension):
+    """``{% generation %}...{% endgeneration %}`` renders its body unchanged."""
+
+    tags = frozenset({"generation"})
+
+    def parse(self, parser: jinja2.parser.Parser) -> jinja2.nodes.Node:
+        lineno = next(parser.stream).lineno
+        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+        return jinja2.nodes.Scope(body, lineno=lineno)
+
+
+def _environment() -> ImmutableSandboxedEnvironment:
+    env = ImmutableSandboxedEnvironment(
+        trim_blocks=True,
+        lstrip_blocks=True,
+        extensions=[jinja2.ext.loopcontrols, _GenerationTag],
+    )
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise_exception
+    env.globals["strftime_now"] = _strftime_now
+    return env
+
+
+def message_to_dict(m: Message) -> dict[str, Any]:
+    """A :class:`Message` in the dict shape HF chat templates expect."""
+    d: dict[str, Any] = {"role": m.role, "content": m.content}
+    if m.reasoning:
+        d["reasoning_content"] = m.reasoning
+    if m.tool_calls:
+        calls = []
+        for tc in m.tool_calls:
+            try:
+                args: Any = json.loads(tc.arguments) if tc.arguments else {}
+            except json.JSONDecodeError:
+                args = tc.arguments
+            calls.append(
+                {"id": tc.id, "type": "function", "function": {"name": tc.name, "arguments": args}}
+            )
+        d["tool_calls"] = calls
+    if m.role == "tool":
+        if m.tool_call_id is not None:
+            d["tool_call_id"] = m.tool_call_id
+        if m.name is not None:
+            d["name"] = m.name
+    return d
+
+
+def tool_to_dict(t: Tool) -> dict[str, Any]:
+    """A :class:`Tool` in the OpenAI function shape HF templates expect."""
+    return {
+        "type": "function",
+        "function": {"name": t.name, "description": t.description, "parameters": t.parameters},
+    }
+
+
+#: System-prompt text describing tools, for templates that do not render ``tools``
+#: themselves (the Hermes format, which the "hermes" output parser reads).
+TOOLS_FALLBACK_PROMPT = (
+    "# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
+    "You are provided with function signatures within <tools></tools> XML tags:\n<tools>"
+    "{tools}\n</tools>\n\nFor each function call, return a json object with function name "
+    "and arguments within <tool_call></tool_call> XML tags:\n<tool_call>\n"
+    '{{"name": <function-name>, "arguments": <args-json-object>}}\n</tool_call>'
+)
+
+
+def _fallback_tools(
+    msgs: list[dict[str, Any]],
+    tools: list[dict[str, Any]] | None,
+    *,
+    tools_ok: bool,
+    calls_ok: bool,
+) -> list[dict[str, Any]]:
+    """Spell tools, tool calls and tool results as text for templates that ignore them."""
+    out = [dict(m) for m in msgs]
+    if tools and not tools_ok:
+        listing = "".join("\n" + json.dumps(t, ensure_ascii=False) for t in tools)
+        prompt = TOOLS_FALLBACK_PROMPT.format(tools=listing)
+        if out and out[0]["role"] == "system":
+            out[0]["content"] = f"{out[0]['content']}\n\n{prompt}"
+        else:
+            out.insert(0, {"role": "system", "content": prompt})
+    if calls_ok:
+        return out
+    for m in out:
+        calls = m.pop("tool_calls", None)
+        if calls:
+            parts = [m.get("content") or ""]
+            for c in calls:
+                body = {"name": c["function"]["name"], "arguments": c["function"]["arguments"]}
+                parts.append(f"<tool_call>\n{json.dumps(body, ensure_ascii=False)}\n</tool_call>")
+            m["content"] = "\n".join(p for p in parts if p)
+        if m["role"] == "tool":
+            m["role"] = "user"
+            m["content"] = f"<tool_response>\n{m.get('content', '')}\n</tool_response>"
+            m.pop("tool_call_id", None)
+            m.pop("name", None)
+    return out
+
+
+class ChatTemplate:
+    """A compiled chat template plus the special-token strings it may reference."""
+
+    def __init__(
+        self,
+        source: str,
+        *,
+        bos_token: str | None = None,
+        eos_token: str | None = None,
+        pad_token: str | None = None,
+        unk_token: str | None = None,
+    ) -> None:
+        self.source = source
+        self.special = {
+            "bos_token": bos_token or "",
+            "eos_token": eos_token or "",
+            "pad_token": pad_token or "",
+            "unk_token": unk_token or "",
+        }
+        try:
+            self._template = _environment().from_string(source)
+        except jinja2.TemplateSyntaxError as e:
+            raise ModelLoadError(f"chat template does not compile: {e} (line {e.lineno})") from None
+
+    @property
+    def handles_tools(self) -> bool:
+        """The template renders a ``tools`` list itself."""
+        return "tools" in self.source
+
+    @property
+    def handles_tool_calls(self) -> bool:
+        """The template renders assistant ``tool_calls`` itself."""
+        return "tool_calls" in self.source
+
+    @property
+    def adds_bos(self) -> bool:
+        """True when the template writes ``bos_token`` itself."""
+        return "bos_token" in self.source
+
+    def render(
+        self,
+        messages: list[Message] | list[dict[str, Any]],
+        tools: list[Tool] | list[dict[str, Any]] | None = None,
+        add_generation_prompt: bool = True,
+        **kwargs: Any,
+    ) -> str:
+        """Render a conversation; a template failure raises :class:`InvalidRequest`.
+
+        Templates that do not know tools get them as text: a Hermes-style tool
+        list in the system prompt, ``<tool_call>`` blocks in assistant turns,
+        ``<tool_response>`` user turns for results.
+        """
+        msgs = [message_to_dict(m) if isinstance(m, Message) else m for m in messages]
+        tool_dicts = (
+            [tool_to_dict(t) if isinstance(t, Tool) else t for t in tools] if tools else None
+        )
+        if not (self.handles_tools and self.handles_tool_calls):
+            msgs = _fallback_tools(
+                msgs, tool_dicts, tools_ok=self.handles_tools, calls_ok=self.handles_tool_calls
+            )
+            if not self.handles_tools:
+                tool_dicts = None
+        variables = {
+            **self.special,
+            **kwargs,
+            "messages": msgs,
+            "tools": tool_dicts,
+            "add_generation_prompt": add_generation_prompt,
+        }
+        try:
+            return self._template.render(**variables)
+        except TemplateRaise as e:
+            raise InvalidRequest(f"chat template: {e}") from None
+        except jinja2.TemplateError as e:
+            raise InvalidRequest(f"chat template failed: {e}") from None
+        except (TypeError, ValueError, KeyError, AttributeError, IndexError) as e:
+            raise InvalidRequest(f"chat template failed: {type(e).__name__}: {e}") from None

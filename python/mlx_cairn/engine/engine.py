@@ -1,0 +1,445 @@
+"""The serving engine: a thread that owns MLX and runs continuous batching.
+
+Example::
+
+    from mlx_cairn import Engine
+    from mlx_cairn.models import load
+    engine = Engine(load(None), kv_cache_gb=1.0)
+    async for ev in engine.generate(ChatRequest([Message("user", "Hi")], max_tokens=32)):
+        ...
+    for ev in engine.generate_sync(request):   # scripts
+        ...
+    engine.close()
+
+Threads: ``prepare`` / ``count_tokens`` / ``submit`` / ``stats`` / ``cancel`` run
+on any thread; everything that touches MLX, the block pool or the prefix
+cache runs on the engine thread. Requests reach it through an inbox; Events
+leave through each request's :class:`~mlx_cairn.engine.stream.RequestStream`.
+"""
+
+from __future__ import annotations
+
+import atexit
+import itertools
+import logging
+import threading
+import time
+import weakref
+from collections.abc import AsyncIterator, Callable, Iterator
+from typing import Any
+
+import mlx.core as mx
+
+from mlx_cairn.engine import prepare as _prep
+from mlx_cairn.engine.output import SequenceOutput
+from mlx_cairn.engine.paged import (
+    DEFAULT_MEMORY_FRACTION,
+    MAX_MEMORY_FRACTION,
+    KVPools,
+    available_memory_bytes,
+)
+from mlx_cairn.engine.runner import ModelRunner
+from mlx_cairn.engine.scheduler import Scheduler
+from mlx_cairn.engine.sequence import PreparedRequest, Sequence
+from mlx_cairn.engine.stream import RequestStream
+from mlx_cairn.errors import EngineError, QueueFull
+from mlx_cairn.kv import BlockPool, PrefixCache
+from mlx_cairn.types import ChatRequest, Done, Error, Event, StopReason, Timings, Usage
+
+log = logging.getLogger("mlx_cairn.engine")
+
+_live_engines: weakref.WeakSet[Engine] = weakref.WeakSet()
+
+
+@atexit.register
+def _close_all() -> None:
+    # Engine threads are daemons; stop them cleanly before MLX is torn down.
+    for engine in list(_live_engines):
+        engine.close(timeout=10.0)
+
+
+class Engine:
+    """Continuous-batching generation over a paged KV cache with prefix reuse.
+
+    Args:
+        loaded_model: a ``mlx_cairn.models.LoadedModel``.
+        kv_cache_gb: KV pool size in GiB (all layers, K and V). Default: a
+            quarter of available memory, capped at what ``max_batch`` full
+            contexts need. Refused if it exceeds 90% of available memory.
+        num_blocks: exact number of blocks instead (block 0 is reserved);
+            overrides ``kv_cache_gb``.
+        block_size: tokens per block.
+        max_queue: requests waiting for admission before ``submit`` raises QueueFull.
+        max_batch: sequences admitted (holding blocks) at once.
+        step_token_budget: tokens per step: one per decoding sequence, the rest
+            goes to chunked prefill.
+        kv_dtype: pool dtype; default fp32 on CPU, the model's dtype otherwise.
+    """
+
+    def __init__(
+        self,
+        loaded_model: Any,
+        *,
+        kv_cache_gb: float | None = None,
+        num_blocks: int | None = None,
+        block_size: int = 16,
+        max_queue: int = 64,
+        max_batch: int = 16,
+        step_token_budget: int = 512,
+        kv_dtype: mx.Dtype | None = None,
+    ) -> None:
+        for name, val in (
+            ("block_size", block_size),
+            ("max_queue", max_queue),
+            ("max_batch", max_batch),
+            ("step_token_budget", step_token_budget),
+        ):
+            if not isinstance(val, int) or val < 1:
+                raise ValueError(f"{name} must be a positive integer, got {val!r}")
+        self.loaded = loaded_model
+        model = loaded_model.model
+        if kv_dtype is None:
+            kv_dtype = mx.float32 if mx.default_device() == mx.cpu else model.dtype
+        per_block = KVPools.bytes_per_block(
+            model.num_layers, model.num_kv_heads, model.head_dim, block_size, kv_dtype.size
+        )
+        num_blocks = self._pool_blocks(num_blocks, kv_cache_gb, per_block, block_size, max_batch)
+        self.block_size = block_size
+        self.max_queue = max_queue
+        self.context_length = int(loaded_model.context_length)
+        self._pools = KVPools(
+            num_layers=model.num_layers,
+            num_kv_heads=model.num_kv_heads,
+            head_dim=model.head_dim,
+            num_blocks=num_blocks,
+            block_size=block_size,
+            dtype=kv_dtype,
+        )
+        self._pool = BlockPool(num_blocks=num_blocks, block_size=block_size)
+        self._cache = PrefixCache(self._pool)
+        self._scheduler = Scheduler(
+            self._pool, self._cache, max_batch=max_batch, step_token_budget=step_token_budget
+        )
+        _materialize(model)
+        self._runner = ModelRunner(model, self._pools)
+        self._eos = frozenset(int(t) for t in loaded_model.eos_token_ids)
+        #: Test hook: called on the engine thread before each step's forward pass;
+        #: an exception fails that step's requests only.
+        self._fault_hook: Callable[[], None] | None = None
+
+        self._lock = threading.Condition()
+        self._inbox: list[Sequence] = []
+        self._cancels: set[int] = set()
+        self._queued = 0  # submitted, not yet admitted (the max_queue cap)
+        self._closing = False
+        self._ids = itertools.count(1)
+        self._seqs: dict[int, Sequence] = {}  # engine thread only
+        self._counters = {"requests": 0, "completed": 0, "failed": 0, "cancelled": 0}
+        self._generated_tokens = 0
+        self._stats: dict[str, Any] = {}
+        self._snapshot_stats()
+        self._thread = threading.Thread(target=self._loop, name="mlx-cairn-engine", daemon=True)
+        _live_engines.add(self)
+        self._thread.start()
+
+    # ------------------------------------------------------------ sizing
+
+    def _pool_blocks(
+        self,
+        num_blocks: int | None,
+        kv_cache_gb: float | None,
+        per_block: int,
+        block_size: int,
+        max_batch: int,
+    ) -> int:
+        avail = available_memory_bytes()
+        if num_blocks is not None:
+            want = int(num_blocks)
+        elif kv_cache_gb is not None:
+            if not (isinstance(kv_cache_gb, (int, float)) and kv_cache_gb > 0):
+                raise ValueError(f"kv_cache_gb must be positive, got {kv_cache_gb!r}")
+            want = int(kv_cache_gb * (1 << 30)) // per_block
+        else:
+            ctx = int(self.loaded.context_length)
+            enough = max_batch * (-(-ctx // block_size)) + 1
+            want = min(int(avail * DEFAULT_MEMORY_FRACTION) // per_block, enough)
+        if want < 2:
+            raise ValueError(
+                f"KV pool of {want} blocks is too small ({per_block} bytes per block, "
+                f"{avail / 2**30:.1f} GiB available)"
+            )
+        if want * per_block > avail * MAX_MEMORY_FRACTION:
+            raise ValueError(
+                f"KV pool of {want * per_block / 2**30:.2f} GiB does not fit in the "
+                f"{avail / 2**30:.2f} GiB of available memory"
+            )
+        return want
+
+    # ------------------------------------------------------------ any thread
+
+    def prepare(self, request: ChatRequest) -> PreparedRequest:
+        """Template + tokenize + validate (raises ContextLengthExceeded / InvalidRequest)."""
+        return _prep.prepare(
+            self.loaded,
+            request,
+            context_length=self.context_length,
+            max_tokens_capacity=(self._pools.num_blocks - 1) * self.block_size,
+        )
+
+    def count_tokens(self, request: ChatRequest) -> int:
+        """Prompt tokens of ``request`` (== ``usage.input_tokens`` of its generation)."""
+        return len(self.prepare(request).prompt_ids)
+
+    def submit(self, request: ChatRequest | PreparedRequest) -> RequestStream:
+        """Queue a request; raises QueueFull at once when ``max_queue`` requests wait."""
+        prepared = request if isinstance(request, PreparedRequest) else self.prepare(request)
+        with self._lock:
+            if self._closing:
+                raise EngineError("the engine is closed")
+            if self._queued >= self.max_queue:
+                raise QueueFull(f"{self._queued} requests are already waiting")
+            rid = next(self._ids)
+            stream = RequestStream(rid, prepared, self._cancel)
+            seq = Sequence(
+                request_id=rid,
+                prepared=prepared,
+                stream=stream,
+                tokens=list(prepared.prompt_ids),
+                sampling=prepared.sampling,
+                arrival=rid,
+            )
+            self._queued += 1
+            self._inbox.append(seq)
+            self._lock.notify_all()
+        return stream
+
+    async def generate(self, request: ChatRequest | PreparedRequest) -> AsyncIterator[Event]:
+        """Submit and iterate; closing the iterator early cancels the request."""
+        stream = self.submit(request)
+        try:
+            async for ev in stream:
+                yield ev
+        finally:
+            stream.cancel()
+
+    def generate_sync(
+        self, request: ChatRequest | PreparedRequest, *, timeout: float | None = None
+    ) -> Iterator[Event]:
+        """Synchronous generation for scripts (``timeout``: max seconds between events)."""
+        return self.submit(request).iter_sync(timeout)
+
+    def stats(self) -> dict[str, Any]:
+        """Counters for /health and /metrics (a snapshot taken after the last step)."""
+        with self._lock:
+            out = dict(self._stats)
+            out["queue_depth"] = self._queued
+        return out
+
+    def close(self, timeout: float = 30.0) -> None:
+        """Stop the engine thread; unfinished requests end with an Error event."""
+        with self._lock:
+            self._closing = True
+            self._lock.notify_all()
+        if threading.current_thread() is not self._thread:
+            self._thread.join(timeout)
+
+    def __enter__(self) -> Engine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _cancel(self, request_id: int) -> None:
+        with self._lock:
+            self._cancels.add(request_id)
+            self._lock.notify_all()
+
+    # ------------------------------------------------------------ engine thread
+
+    def _loop(self) -> None:
+        try:
+            while self._serve_once():
+                pass
+        finally:
+            # MLX needs the streams of a thread torn down before the thread
+            # ends, or the process may abort at exit.
+            mx.clear_streams()
+
+    def _serve_once(self) -> bool:
+        """Wait for work, apply arrivals and cancels, run one step. False once closed."""
+        with self._lock:
+            while not (self._inbox or self._cancels or self._closing or self._scheduler.has_work()):
+                self._lock.wait()
+            inbox, self._inbox = self._inbox, []
+            cancels, self._cancels = self._cancels, set()
+            closing = self._closing
+        for seq in inbox:
+            self._seqs[seq.request_id] = seq
+            self._scheduler.add(seq)
+            self._counters["requests"] += 1
+        for rid in cancels:
+            if (seq := self._seqs.get(rid)) is not None:
+                self._counters["cancelled"] += 1
+                self._end(seq, Error("cancelled", "the request was cancelled"))
+        if closing:
+            for seq in list(self._seqs.values()):
+                self._end(seq, Error("internal", "the engine was closed"))
+            self._snapshot_stats()
+            return False
+        try:
+            self._step()
+        except Exception as e:  # a bug outside the forward pass: fail everyone, go on
+            log.exception("engine step failed")
+            for seq in list(self._seqs.values()):
+                self._counters["failed"] += 1
+                self._end(seq, Error("internal", f"engine error: {e}"))
+        self._snapshot_stats()
+        return True
+
+    def _step(self) -> None:
+        sched = self._scheduler
+        plan = sched.schedule()
+        if not plan:
+            if sched.waiting and not sched.running:
+                # Cannot happen with the capacity check in prepare(); never spin on it.
+                seq = sched.waiting[0]
+                self._end(seq, Error("internal", "the request does not fit in the KV cache"))
+            return
+        now = time.perf_counter()
+        for seq in plan.sequences():
+            if seq.t_admit == 0.0:
+                seq.t_admit = now
+                with self._lock:
+                    self._queued -= 1
+        try:
+            if self._fault_hook is not None:
+                self._fault_hook()
+            results = self._runner.run(plan)
+        except Exception as e:
+            log.warning("step failed for %d request(s): %s", len(plan.sequences()), e)
+            self._recover_pools()
+            for seq in plan.sequences():
+                self._counters["failed"] += 1
+                self._end(seq, Error("internal", f"generation failed: {e}"))
+            return
+        t = time.perf_counter()
+        for seq in plan.decode:
+            sched.advance(seq, 1)
+        for seq, n in plan.prefill:
+            sched.advance(seq, n)
+            seq.prefill_s += t - now
+        for seq, token in results:
+            self._on_token(seq, token, t)
+
+    def _recover_pools(self) -> None:
+        # Writes of a failed step may still be pending in the pool graphs; they
+        # only touch blocks of the failed rows, so materialize them and move on.
+        try:
+            mx.eval(self._pools.arrays())
+        except Exception:  # pragma: no cover - the graph itself is broken
+            log.exception("KV pools could not be evaluated; rebuilding them")
+            for seq in list(self._seqs.values()):
+                self._end(seq, Error("internal", "the KV cache was reset"))
+            p = self._pools
+            shape = (p.num_blocks, p.block_size, p.num_kv_heads, p.head_dim)
+            p.k = [mx.zeros(shape, dtype=p.dtype) for _ in p.k]
+            p.v = [mx.zeros(shape, dtype=p.dtype) for _ in p.v]
+            mx.eval(p.arrays())
+            self._pool = BlockPool(num_blocks=p.num_blocks, block_size=p.block_size)
+            self._cache = PrefixCache(self._pool)
+            self._scheduler.pool, self._scheduler.cache = self._pool, self._cache
+
+    def _on_token(self, seq: Sequence, token: int, now: float) -> None:
+        if seq.request_id not in self._seqs:
+            return
+        seq.tokens.append(token)
+        self._generated_tokens += 1
+        if seq.t_first_token == 0.0:
+            seq.t_first_token = now
+        if seq.pipeline is None:
+            seq.pipeline = SequenceOutput(self.loaded.tokenizer, seq.prepared)
+        out: SequenceOutput = seq.pipeline
+        reason: StopReason | None = None
+        matched: str | None = None
+        try:
+            if token in self._eos:
+                events = out.flush()
+                reason = "end_turn"
+            else:
+                events, matched = out.push(token)
+                if matched is not None:
+                    reason = "stop_sequence"
+                elif seq.num_output >= seq.prepared.max_tokens:
+                    events += out.flush()
+                    reason = "max_tokens"
+        except Exception as e:  # a text-side failure ends only this request
+            log.warning("text pipeline failed: %s", e)
+            self._counters["failed"] += 1
+            self._end(seq, Error("internal", f"output processing failed: {e}"))
+            return
+        if reason == "end_turn" and out.saw_tool_call:
+            reason = "tool_use"
+        if reason is None:
+            seq.stream._push(events)
+            return
+        self._counters["completed"] += 1
+        self._end(seq, None)
+        seq.stream._push([*events, self._done(seq, reason, matched, now)])
+
+    def _done(self, seq: Sequence, reason: StopReason, matched: str | None, now: float) -> Done:
+        prompt = seq.num_prompt
+        cached = max(seq.cached_tokens, 0)
+        first = seq.t_first_token or now
+        decode_n = seq.num_output - 1
+        timings = Timings(
+            queue_ms=1000 * (seq.t_admit - seq.t_submit) if seq.t_admit else 0.0,
+            ttft_ms=1000 * (first - seq.t_submit),
+            prefill_tokens_per_s=(prompt - cached) / seq.prefill_s if seq.prefill_s > 0 else 0.0,
+            decode_tokens_per_s=decode_n / (now - first) if decode_n > 0 and now > first else 0.0,
+        )
+        usage = Usage(input_tokens=prompt, output_tokens=seq.num_output, cached_tokens=cached)
+        return Done(stop_reason=reason, matched_stop=matched, usage=usage, timings=timings)
+
+    def _end(self, seq: Sequence, final: Done | Error | None) -> None:
+        """Remove ``seq`` from the engine (freeing its blocks) and end its stream."""
+        if self._seqs.pop(seq.request_id, None) is None:
+            return
+        if seq.t_admit == 0.0:
+            with self._lock:
+                self._queued -= 1
+            seq.t_admit = -1.0  # counted out of the queue
+        self._scheduler.remove(seq)
+        seq.stream.output_ids = seq.tokens[seq.num_prompt :]
+        if final is not None:
+            seq.stream._finish(final)
+
+    def _snapshot_stats(self) -> None:
+        c = self._cache.stats()
+        sched = self._scheduler
+        snap = {
+            "running": len(sched.running),
+            "waiting": len(sched.waiting),
+            "blocks_total": c.get("blocks_total", self._pools.num_blocks),
+            "blocks_free": c.get("blocks_free"),
+            "blocks_cached": c.get("blocks_cached"),
+            "blocks_in_use": c.get("blocks_in_use"),
+            "block_size": self.block_size,
+            "kv_cache_bytes": self._pools.nbytes,
+            "prefix_hit_tokens": sched.prefix_hit_tokens,
+            "preemptions": sched.num_preemptions,
+            "generated_tokens": self._generated_tokens,
+            **{f"requests_{k}": v for k, v in self._counters.items()},
+        }
+        with self._lock:
+            self._stats = snap
+
+
+def _materialize(model: Any) -> None:
+    """Evaluate every array the model holds (parameters and private buffers such as
+    RoPE frequencies) here: MLX cannot evaluate a lazy array built on another
+    thread's stream, and the forward passes run on the engine thread."""
+    arrays: list[mx.array] = []
+    modules = model.modules() if hasattr(model, "modules") else []
+    for m in modules:
+        arrays.extend(v for v in m.values() if isinstance(v, mx.array))
+    mx.eval(arrays)

@@ -1,0 +1,159 @@
+"""Paged KV pools on MLX and the per-step cache view the architectures call (DESIGN.md §4).
+
+Each layer owns a K pool and a V pool shaped ``[num_blocks, block_size,
+kv_heads, head_dim]``. A sequence's KV lives in the blocks of its block table
+(ids from the Rust ``BlockPool``; block 0 is the reserved null block)::
+
+    position p of a sequence  ->  block  table[p // block_size]
+                                  row    p %  block_size
+
+One forward call covers B rows of L new tokens each. :class:`PagedKVCache`
+writes the new K/V rows at their slots, then gathers each row's blocks into
+a contiguous ``[B, kv_heads, T, head_dim]`` view (T = the longest row's block
+count x block_size; shorter rows are padded with the null block and masked)
+for ``mx.fast.scaled_dot_product_attention``.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Sequence as Seq
+
+import mlx.core as mx
+import numpy as np
+
+#: Fraction of available memory the default pool may take.
+DEFAULT_MEMORY_FRACTION = 0.25
+#: Never leave less than this fraction of available memory when sizing explicitly.
+MAX_MEMORY_FRACTION = 0.9
+
+
+def available_memory_bytes() -> int:
+    """Memory the KV pools may still take: free device memory, else MemAvailable."""
+    try:
+        if mx.default_device() == mx.gpu and hasattr(mx, "device_info"):
+            info = mx.device_info()
+            total = int(info.get("max_recommended_working_set_size", info.get("memory_size", 0)))
+            if total:
+                return max(0, total - int(mx.get_active_memory()))
+    except Exception:  # pragma: no cover - backend without device info
+        pass
+    if sys.platform == "linux":
+        try:
+            with open("/proc/meminfo") as f:
+                for line in f:
+                    if line.startswith("MemAvailable:"):
+                        return int(line.split()[1]) * 1024
+        except OSError:  # pragma: no cover
+            pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError):  # pragma: no cover
+        return 4 << 30
+
+
+class KVPools:
+    """Per-layer K/V block pools (MLX arrays), sized once, never grown."""
+
+    def __init__(
+        self,
+        *,
+        num_layers: int,
+        num_kv_heads: int,
+        head_dim: int,
+        num_blocks: int,
+        block_size: int,
+        dtype: mx.Dtype = mx.float32,
+    ) -> None:
+        if num_blocks < 2:
+            raise ValueError(
+                f"num_blocks must be at least 2 (block 0 is reserved), got {num_blocks}"
+            )
+        if block_size < 1:
+            raise ValueError(f"block_size must be positive, got {block_size}")
+        self.num_layers = num_layers
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.dtype = dtype
+        shape = (num_blocks, block_size, num_kv_heads, head_dim)
+        self.k = [mx.zeros(shape, dtype=dtype) for _ in range(num_layers)]
+        self.v = [mx.zeros(shape, dtype=dtype) for _ in range(num_layers)]
+        mx.eval(self.k, self.v)  # commit the memory now, not at the first step
+
+    @staticmethod
+    def bytes_per_block(
+        num_layers: int, num_kv_heads: int, head_dim: int, block_size: int, itemsize: int
+    ) -> int:
+        """K + V bytes one block takes across all layers."""
+        return 2 * num_layers * block_size * num_kv_heads * head_dim * itemsize
+
+    @property
+    def nbytes(self) -> int:
+        return sum(a.nbytes for a in self.k) + sum(a.nbytes for a in self.v)
+
+    def arrays(self) -> list[mx.array]:
+        """Every pool array (to evaluate after a step)."""
+        return [*self.k, *self.v]
+
+
+class PagedKVCache:
+    """The :class:`mlx_cairn.models.base.KVCache` view of one forward call over the pools.
+
+    Args:
+        pools: the KV pools.
+        block_tables: per row, the block ids covering positions
+            ``0 .. offsets[b] + length - 1`` (already allocated).
+        offsets: per row, the position of its first new token.
+        length: new tokens per row (L).
+    """
+
+    def __init__(
+        self, pools: KVPools, block_tables: Seq[Seq[int]], offsets: Seq[int], length: int
+    ) -> None:
+        bs = pools.block_size
+        self.pools = pools
+        self.length = length
+        batch = len(block_tables)
+        ctx = np.asarray(offsets, dtype=np.int64) + length  # tokens to attend per row
+        nblk = int(max((c + bs - 1) // bs for c in ctx))
+        tables = np.zeros((batch, nblk), dtype=np.int32)  # pad with the null block
+        for b, t in enumerate(block_tables):
+            need = (int(ctx[b]) + bs - 1) // bs
+            if len(t) < need:
+                raise ValueError(f"row {b}: {len(t)} blocks cannot hold {int(ctx[b])} tokens")
+            tables[b, :need] = t[:need]
+        # Write slots of the new tokens, row-major over [B, L].
+        pos = np.asarray(offsets, dtype=np.int64)[:, None] + np.arange(length)[None, :]
+        self._w_block = mx.array(np.take_along_axis(tables, pos // bs, axis=1).reshape(-1))
+        self._w_row = mx.array((pos % bs).reshape(-1).astype(np.int32))
+        self._tables = mx.array(tables)
+        # Mask [B, 1, L, T]: key t visible to query i of row b iff t <= offsets[b] + i.
+        total = nblk * bs
+        key_pos = np.arange(total)[None, None, :]
+        self._mask = mx.array((key_pos <= pos[:, :, None])[:, None, :, :])
+        self._offsets = mx.array(np.asarray(offsets, dtype=np.int32))
+
+    @property
+    def offsets(self) -> mx.array:
+        """[B] int32: position of each row's first new token."""
+        return self._offsets
+
+    def update_and_fetch(
+        self, layer: int, keys: mx.array, values: mx.array
+    ) -> tuple[mx.array, mx.array, mx.array]:
+        """Write ``keys``/``values`` [B, kvh, L, hd] into the pools; return the gathered view."""
+        p = self.pools
+        b, h, n, d = keys.shape
+        # [B, kvh, L, hd] -> [B*L, kvh, hd], matching the row-major write slots.
+        k_rows = keys.transpose(0, 2, 1, 3).reshape(b * n, h, d).astype(p.dtype)
+        v_rows = values.transpose(0, 2, 1, 3).reshape(b * n, h, d).astype(p.dtype)
+        # In-place scatter: the pool array is donated, nothing is copied.
+        p.k[layer][self._w_block, self._w_row] = k_rows
+        p.v[layer][self._w_block, self._w_row] = v_rows
+        # [B, nblk, bs, kvh, hd] -> [B, kvh, nblk*bs, hd]
+        k_all = p.k[layer][self._tables].reshape(b, -1, h, d).transpose(0, 2, 1, 3)
+        v_all = p.v[layer][self._tables].reshape(b, -1, h, d).transpose(0, 2, 1, 3)
+        return k_all.astype(keys.dtype), v_all.astype(values.dtype), self._mask

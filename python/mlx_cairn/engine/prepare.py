@@ -1,0 +1,97 @@
+"""Request validation and tokenization, run on the caller's thread before any model work."""
+
+from __future__ import annotations
+
+import math
+import secrets
+from dataclasses import replace
+from typing import Any
+
+from mlx_cairn.engine.sequence import PreparedRequest
+from mlx_cairn.errors import ContextLengthExceeded, InvalidRequest
+from mlx_cairn.types import ChatRequest, SamplingParams
+
+_MAX_STOPS = 64
+_MAX_STOP_CHARS = 1024
+
+
+def validate_sampling(s: SamplingParams) -> SamplingParams:
+    """Check ranges; resolve a missing seed to a random one."""
+
+    def bad(param: str, msg: str) -> InvalidRequest:
+        return InvalidRequest(msg, param=param)
+
+    if not _finite(s.temperature) or s.temperature < 0:
+        raise bad("temperature", f"temperature must be a finite number >= 0, got {s.temperature!r}")
+    if not _finite(s.top_p) or not 0 < s.top_p <= 1:
+        raise bad("top_p", f"top_p must be in (0, 1], got {s.top_p!r}")
+    if not isinstance(s.top_k, int) or isinstance(s.top_k, bool) or s.top_k < 0:
+        raise bad("top_k", f"top_k must be an integer >= 0, got {s.top_k!r}")
+    if not _finite(s.min_p) or not 0 <= s.min_p <= 1:
+        raise bad("min_p", f"min_p must be in [0, 1], got {s.min_p!r}")
+    seed = s.seed
+    if seed is None:
+        seed = secrets.randbits(63)
+    elif not isinstance(seed, int) or isinstance(seed, bool):
+        raise bad("seed", f"seed must be an integer, got {seed!r}")
+    return replace(s, seed=seed)
+
+
+def _finite(x: Any) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+
+def prepare(
+    loaded: Any, request: ChatRequest, *, context_length: int, max_tokens_capacity: int
+) -> PreparedRequest:
+    """Validate ``request``, render its prompt, and check it fits the context and the KV pool."""
+    if not request.messages:
+        raise InvalidRequest("messages must not be empty", param="messages")
+    mt = request.max_tokens
+    if not isinstance(mt, int) or isinstance(mt, bool) or mt < 1:
+        raise InvalidRequest(
+            f"max_tokens must be a positive integer, got {mt!r}", param="max_tokens"
+        )
+    if not isinstance(request.stop, list) or len(request.stop) > _MAX_STOPS:
+        raise InvalidRequest(f"stop must be a list of at most {_MAX_STOPS} strings", param="stop")
+    for s in request.stop:
+        if not isinstance(s, str) or not s or len(s) > _MAX_STOP_CHARS:
+            raise InvalidRequest(
+                f"each stop sequence must be a non-empty string of at most {_MAX_STOP_CHARS} characters",
+                param="stop",
+            )
+    sampling = validate_sampling(request.sampling)
+    try:
+        prompt = loaded.prompt(request)
+    except (InvalidRequest, ContextLengthExceeded):
+        raise
+    except Exception as e:
+        raise InvalidRequest(f"could not render the chat template: {e}", param="messages") from e
+    n = len(prompt.ids)
+    if n == 0:
+        raise InvalidRequest("the rendered prompt is empty", param="messages")
+    if n + mt > context_length:
+        raise ContextLengthExceeded(
+            f"prompt ({n} tokens) + max_tokens ({mt}) exceeds the model's context length "
+            f"({context_length} tokens)",
+            param="max_tokens",
+        )
+    if n + mt > max_tokens_capacity:
+        raise ContextLengthExceeded(
+            f"prompt ({n} tokens) + max_tokens ({mt}) exceeds the KV cache capacity "
+            f"({max_tokens_capacity} tokens); start the server with a larger KV cache",
+            param="max_tokens",
+        )
+    info = loaded.reasoning
+    reasoning = bool(info.supported and (request.reasoning is not False))
+    tools_on = bool(request.tools) and request.tool_choice != "none"
+    return PreparedRequest(
+        request=request,
+        prompt_ids=list(prompt.ids),
+        parser_family=loaded.parser_family if tools_on else None,
+        reasoning=reasoning,
+        in_reasoning=bool(prompt.in_reasoning),
+        salt=f"{loaded.identity}\x00{request.cache_salt or ''}",
+        max_tokens=mt,
+        sampling=sampling,
+    )

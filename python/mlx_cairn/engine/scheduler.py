@@ -1,0 +1,200 @@
+"""Continuous-batching scheduler: admission, chunked prefill, block allocation, preemption.
+
+Pure bookkeeping over the Rust ``BlockPool`` / ``PrefixCache``; no MLX here.
+Each call to :meth:`Scheduler.schedule` plans one engine step::
+
+    budget = step_token_budget
+    1. decode: every admitted sequence with exactly one pending token gets a row
+       (oldest first); a row that needs a new block and finds none preempts the
+       youngest admitted sequence (possibly itself);
+    2. prefill: older partially-prefilled sequences continue, then new ones are
+       admitted from the FIFO queue (prefix-cache lookup first), each taking a
+       chunk of the remaining budget;
+    admission stops at the first request that cannot get its blocks (FIFO),
+    or when ``max_batch`` sequences are admitted.
+
+Preempted sequences drop their blocks (full ones stay in the prefix cache)
+and go back to the queue in arrival order, ahead of newer requests.
+"""
+
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass, field
+from typing import Any
+
+from mlx_cairn.engine.sequence import Sequence
+
+
+@dataclass(slots=True)
+class StepPlan:
+    """What one engine step computes."""
+
+    #: Sequences decoding one token each (one batched forward call).
+    decode: list[Sequence] = field(default_factory=list)
+    #: (sequence, number of tokens) prefill chunks.
+    prefill: list[tuple[Sequence, int]] = field(default_factory=list)
+
+    def sequences(self) -> list[Sequence]:
+        return [*self.decode, *(s for s, _ in self.prefill)]
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.decode) + sum(n for _, n in self.prefill)
+
+    def __bool__(self) -> bool:
+        return bool(self.decode or self.prefill)
+
+
+class Scheduler:
+    """Queue + admitted set of sequences over a block pool and prefix cache."""
+
+    def __init__(
+        self,
+        pool: Any,
+        cache: Any,
+        *,
+        max_batch: int,
+        step_token_budget: int,
+    ) -> None:
+        self.pool = pool
+        self.cache = cache
+        self.block_size: int = pool.block_size
+        self.max_batch = max_batch
+        self.step_token_budget = step_token_budget
+        #: Not admitted, sorted by arrival (preempted ones keep their old place).
+        self.waiting: list[Sequence] = []
+        #: Admitted (holding blocks), sorted by arrival.
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+        self.prefix_hit_tokens = 0
+
+    # ------------------------------------------------------------- membership
+
+    def add(self, seq: Sequence) -> None:
+        """Queue a new or preempted sequence at its arrival position."""
+        bisect.insort(self.waiting, seq, key=lambda s: s.arrival)
+
+    def remove(self, seq: Sequence) -> bool:
+        """Drop ``seq`` wherever it is, freeing its blocks. Returns whether it was known."""
+        if seq in self.running:
+            self.running.remove(seq)
+            self._release(seq)
+            return True
+        if seq in self.waiting:
+            self.waiting.remove(seq)
+            return True
+        return False
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def blocks_needed(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    # -------------------------------------------------------------- planning
+
+    def schedule(self) -> StepPlan:
+        """Plan one step (see the module docstring)."""
+        plan = StepPlan()
+        for seq in list(self.running):
+            if seq in self.running and seq.num_pending == 1 and self._grow(seq, 1, plan):
+                plan.decode.append(seq)
+        budget = self.step_token_budget - len(plan.decode)
+        for seq in list(self.running):
+            if budget <= 0:
+                break
+            if seq not in self.running or seq.num_pending <= 1 or _in_plan(plan, seq):
+                continue
+            n = min(seq.num_pending, budget)
+            if self._grow(seq, n, plan):
+                plan.prefill.append((seq, n))
+                budget -= n
+        while budget > 0 and self.waiting and len(self.running) < self.max_batch:
+            seq = self.waiting[0]
+            n = self._admit(seq, budget)
+            if n == 0:
+                break
+            if seq.num_pending == 1 and n == 1:
+                plan.decode.append(seq)
+            else:
+                plan.prefill.append((seq, n))
+            budget -= n
+        return plan
+
+    def _admit(self, seq: Sequence, budget: int) -> int:
+        """Admit the queue head: prefix lookup + blocks for its first chunk. 0 if it cannot."""
+        hit = list(self.cache.lookup(seq.tokens, salt=seq.prepared.salt))
+        computed = len(hit) * self.block_size
+        n = min(len(seq.tokens) - computed, budget)
+        need = self.blocks_needed(computed + n) - len(hit)
+        new = self.pool.allocate(need) if need > 0 else []
+        if new is None:
+            if hit:
+                self.pool.free(hit)
+            return 0
+        self.waiting.pop(0)
+        seq.block_ids = hit + list(new)
+        seq.num_computed = computed
+        seq.num_registered = len(hit)
+        if seq.cached_tokens < 0:  # first admission: this is the real prefix hit
+            seq.cached_tokens = min(computed, seq.num_prompt)
+            self.prefix_hit_tokens += seq.cached_tokens
+        bisect.insort(self.running, seq, key=lambda s: s.arrival)
+        return n
+
+    def _grow(self, seq: Sequence, n: int, plan: StepPlan) -> bool:
+        """Make ``seq``'s blocks cover ``n`` more tokens, preempting the youngest if needed.
+
+        Returns False when ``seq`` itself had to be preempted.
+        """
+        need = self.blocks_needed(seq.num_computed + n) - len(seq.block_ids)
+        while need > 0:
+            new = self.pool.allocate(need)
+            if new is not None:
+                seq.block_ids.extend(new)
+                return True
+            victim = self.running[-1]
+            self.preempt(victim, plan)
+            if victim is seq:
+                return False
+        return True
+
+    def preempt(self, seq: Sequence, plan: StepPlan | None = None) -> None:
+        """Free ``seq``'s blocks and requeue it for recomputation."""
+        self.running.remove(seq)
+        self._release(seq)
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        if plan is not None:
+            if seq in plan.decode:
+                plan.decode.remove(seq)
+            plan.prefill = [(s, n) for s, n in plan.prefill if s is not seq]
+        self.add(seq)
+
+    def _release(self, seq: Sequence) -> None:
+        if seq.block_ids:
+            self.pool.free(seq.block_ids)
+        seq.block_ids = []
+        seq.num_computed = 0
+        seq.num_registered = 0
+
+    # ------------------------------------------------------------ after a step
+
+    def advance(self, seq: Sequence, n: int) -> None:
+        """Record ``n`` more computed tokens and register newly full blocks."""
+        seq.num_computed += n
+        full = seq.num_computed // self.block_size
+        if full > seq.num_registered:
+            self.cache.insert(
+                seq.tokens[: full * self.block_size], seq.block_ids[:full], salt=seq.prepared.salt
+            )
+            seq.num_registered = full
+
+    def finish(self, seq: Sequence) -> None:
+        """A sequence ended: free its blocks (full ones stay cached)."""
+        self.remove(seq)
+
+
+def _in_plan(plan: StepPlan, seq: Sequence) -> bool:
+    return seq in plan.decode or any(s is seq for s, _ in plan.prefill)

@@ -1,0 +1,94 @@
+"""A prepared request and the engine's per-sequence state.
+
+Token layout of a sequence (``tokens`` = prompt ids, then sampled ids)::
+
+    tokens:   p0 p1 ... p(P-1) | o0 o1 ... o(k-1)
+    computed: [0, num_computed)          KV rows already in the pool
+    pending:  [num_computed, len(tokens)) fed to the model next
+                                         (the whole rest of the prompt while
+                                          prefilling, exactly one token when
+                                          decoding)
+
+A preempted sequence drops its blocks and sets ``num_computed = 0``; it is
+resumed later by recomputing ``tokens`` (mostly from the prefix cache, since
+its full blocks were registered as they filled).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from mlx_cairn.types import ChatRequest, SamplingParams
+
+if TYPE_CHECKING:
+    from mlx_cairn.engine.stream import RequestStream
+
+
+@dataclass(slots=True)
+class PreparedRequest:
+    """A request after templating, tokenizing and validation (``Engine.prepare``)."""
+
+    request: ChatRequest
+    prompt_ids: list[int]
+    #: Output parser family for this request (None: plain text, no tool parsing).
+    parser_family: str | None
+    #: Whether the output parser splits ``<think>`` reasoning from text.
+    reasoning: bool
+    #: Whether generation starts inside an open reasoning block.
+    in_reasoning: bool
+    #: Prefix-cache salt (model identity + request cache salt).
+    salt: str
+    max_tokens: int
+    #: Sampling settings with the seed resolved (a random one when the request has none).
+    sampling: SamplingParams
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_ids)
+
+
+@dataclass(eq=False, slots=True)
+class Sequence:
+    """Engine-thread state of one running or waiting request."""
+
+    request_id: int
+    prepared: PreparedRequest
+    stream: RequestStream
+    tokens: list[int]
+    sampling: SamplingParams
+    #: Order of first arrival; preemption picks the largest.
+    arrival: int
+    num_computed: int = 0
+    block_ids: list[int] = field(default_factory=list)
+    #: Number of leading blocks already registered in the prefix cache.
+    num_registered: int = 0
+    #: Prompt tokens served from the prefix cache at first admission.
+    cached_tokens: int = -1
+    num_preemptions: int = 0
+    #: Per-row random stream (mlx_cairn.engine.sampler.RowSampler), created lazily.
+    sampler: Any = None
+    #: Text side (mlx_cairn.engine.output.SequenceOutput), created lazily.
+    pipeline: Any = None
+    # Timings (perf_counter seconds).
+    t_submit: float = field(default_factory=time.perf_counter)
+    t_admit: float = 0.0
+    t_first_token: float = 0.0
+    prefill_s: float = 0.0
+
+    @property
+    def num_prompt(self) -> int:
+        return self.prepared.num_prompt_tokens
+
+    @property
+    def num_output(self) -> int:
+        return len(self.tokens) - self.num_prompt
+
+    @property
+    def num_pending(self) -> int:
+        return len(self.tokens) - self.num_computed
+
+    @property
+    def is_decoding(self) -> bool:
+        return self.num_computed > 0 and self.num_pending == 1 and self.num_output > 0

@@ -1,0 +1,61 @@
+"""Helpers for engine tests and benchmarks: a plain greedy loop and an at-rest check.
+
+Example::
+
+    ref = greedy_reference(lm, prompt_ids, max_tokens=16)   # contiguous cache, one row
+    out = [ev for ev in engine.generate_sync(req)]
+    assert_at_rest(engine)
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import mlx.core as mx
+
+from mlx_cairn.models.cache import ContiguousKVCache
+
+
+def greedy_reference(lm: Any, prompt_ids: list[int], max_tokens: int) -> list[int]:
+    """Greedy tokens of one sequence through a ContiguousKVCache (stops at EOS, which is kept)."""
+    model = lm.model
+    cache = ContiguousKVCache(model.num_layers)
+    eos = {int(t) for t in lm.eos_token_ids}
+    h = model(mx.array([prompt_ids], dtype=mx.int32), cache)
+    out: list[int] = []
+    while True:
+        tok = mx.argmax(model.logits(h[:, -1, :]), axis=-1)
+        mx.eval(tok, *cache.state)
+        t = int(tok.item())
+        out.append(t)
+        if t in eos or len(out) >= max_tokens:
+            return out
+        h = model(mx.array([[t]], dtype=mx.int32), cache)
+
+
+def wait_idle(engine: Any, timeout: float = 30.0) -> dict[str, Any]:
+    """Wait until the engine has nothing queued or running; return its stats."""
+    deadline = time.monotonic() + timeout
+    while True:
+        st = engine.stats()
+        if st["queue_depth"] == 0 and st["running"] == 0 and st["waiting"] == 0:
+            return st
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"engine not idle after {timeout}s: {st}")
+        time.sleep(0.01)
+
+
+def assert_at_rest(engine: Any, timeout: float = 30.0) -> dict[str, Any]:
+    """Every block is free or cached and none is referenced (checked on the engine's pool)."""
+    st = wait_idle(engine, timeout)
+    pool = engine._pool
+    # The stats snapshot follows the last step; the engine thread is idle now,
+    # so reading refcounts here races with nothing.
+    if hasattr(pool, "check_invariants"):
+        pool.check_invariants()
+    held = [b for b in range(1, pool.num_blocks) if pool.refcount(b) != 0]
+    assert not held, f"blocks still referenced at rest: {held[:20]}"
+    assert pool.num_free_blocks == pool.num_blocks - 1, (pool.num_free_blocks, pool.num_blocks)
+    assert st["blocks_in_use"] == 0, st
+    return st
