@@ -10,6 +10,7 @@ the output parser (reasoning / tool-call tags) over each decoded chunk::
 
 from __future__ import annotations
 
+import uuid
 from typing import Any
 
 from mlx_cairn.engine.sequence import PreparedRequest
@@ -29,9 +30,10 @@ class SequenceOutput:
         self._pipeline: Any = None
         if TextPipeline is not None:
             self._pipeline = TextPipeline(
-                stop=list(prepared.request.stop),
-                parser=prepared.parser_family,
+                list(prepared.request.stop),
+                family=prepared.parser_family,
                 reasoning=prepared.reasoning,
+                starts_in_reasoning=prepared.reasoning and prepared.in_reasoning,
             )
         self.saw_tool_call = False
 
@@ -63,4 +65,11 @@ def _event(seg: Any) -> Event:
     """Map a pipeline segment to an Event (segments may already be Events)."""
     if isinstance(seg, (TextDelta, ReasoningDelta, ToolCall)):
         return seg
+    kind = getattr(seg, "kind", None)
+    if kind == "text":
+        return TextDelta(seg.text)
+    if kind == "reasoning":
+        return ReasoningDelta(seg.text)
+    if kind == "tool_call":
+        return ToolCall(f"call_{uuid.uuid4().hex[:24]}", seg.name, seg.arguments)
     raise TypeError(f"unexpected text pipeline segment {seg!r}")
