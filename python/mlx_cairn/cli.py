@@ -14,7 +14,9 @@ Command = Callable[[argparse.Namespace], int]
 
 
 def _build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="cairn", description="mlx-cairn: a local LLM server on MLX")
+    parser = argparse.ArgumentParser(
+        prog="cairn", description="mlx-cairn: a local LLM server on MLX"
+    )
     sub = parser.add_subparsers(dest="command", required=True)
     for add in _SUBCOMMANDS:
         add(sub)
@@ -23,6 +25,23 @@ def _build_parser() -> argparse.ArgumentParser:
 
 # Subcommand registrars, appended by the modules below this line.
 _SUBCOMMANDS: list[Callable[[argparse._SubParsersAction], None]] = []
+
+
+def _add_serve(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("serve", help="serve models over the Anthropic (and OpenAI) HTTP APIs")
+    from mlx_cairn.api.server import add_arguments
+
+    add_arguments(p)
+    p.set_defaults(func=_cmd_serve)
+
+
+def _cmd_serve(args: argparse.Namespace) -> int:
+    from mlx_cairn.api.server import run
+
+    return run(args)
+
+
+_SUBCOMMANDS.append(_add_serve)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

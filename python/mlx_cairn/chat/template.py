@@ -107,6 +107,51 @@ def tool_to_dict(t: Tool) -> dict[str, Any]:
     }
 
 
+#: System-prompt text describing tools, for templates that do not render ``tools``
+#: themselves (the Hermes format, which the "hermes" output parser reads).
+TOOLS_FALLBACK_PROMPT = (
+    "# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
+    "You are provided with function signatures within <tools></tools> XML tags:\n<tools>"
+    "{tools}\n</tools>\n\nFor each function call, return a json object with function name "
+    "and arguments within <tool_call></tool_call> XML tags:\n<tool_call>\n"
+    '{{"name": <function-name>, "arguments": <args-json-object>}}\n</tool_call>'
+)
+
+
+def _fallback_tools(
+    msgs: list[dict[str, Any]],
+    tools: list[dict[str, Any]] | None,
+    *,
+    tools_ok: bool,
+    calls_ok: bool,
+) -> list[dict[str, Any]]:
+    """Spell tools, tool calls and tool results as text for templates that ignore them."""
+    out = [dict(m) for m in msgs]
+    if tools and not tools_ok:
+        listing = "".join("\n" + json.dumps(t, ensure_ascii=False) for t in tools)
+        prompt = TOOLS_FALLBACK_PROMPT.format(tools=listing)
+        if out and out[0]["role"] == "system":
+            out[0]["content"] = f"{out[0]['content']}\n\n{prompt}"
+        else:
+            out.insert(0, {"role": "system", "content": prompt})
+    if calls_ok:
+        return out
+    for m in out:
+        calls = m.pop("tool_calls", None)
+        if calls:
+            parts = [m.get("content") or ""]
+            for c in calls:
+                body = {"name": c["function"]["name"], "arguments": c["function"]["arguments"]}
+                parts.append(f"<tool_call>\n{json.dumps(body, ensure_ascii=False)}\n</tool_call>")
+            m["content"] = "\n".join(p for p in parts if p)
+        if m["role"] == "tool":
+            m["role"] = "user"
+            m["content"] = f"<tool_response>\n{m.get('content', '')}\n</tool_response>"
+            m.pop("tool_call_id", None)
+            m.pop("name", None)
+    return out
+
+
 class ChatTemplate:
     """A compiled chat template plus the special-token strings it may reference."""
 
@@ -132,6 +177,16 @@ class ChatTemplate:
             raise ModelLoadError(f"chat template does not compile: {e} (line {e.lineno})") from None
 
     @property
+    def handles_tools(self) -> bool:
+        """The template renders a ``tools`` list itself."""
+        return "tools" in self.source
+
+    @property
+    def handles_tool_calls(self) -> bool:
+        """The template renders assistant ``tool_calls`` itself."""
+        return "tool_calls" in self.source
+
+    @property
     def adds_bos(self) -> bool:
         """True when the template writes ``bos_token`` itself."""
         return "bos_token" in self.source
@@ -143,11 +198,22 @@ class ChatTemplate:
         add_generation_prompt: bool = True,
         **kwargs: Any,
     ) -> str:
-        """Render a conversation; a template failure raises :class:`InvalidRequest`."""
+        """Render a conversation; a template failure raises :class:`InvalidRequest`.
+
+        Templates that do not know tools get them as text: a Hermes-style tool
+        list in the system prompt, ``<tool_call>`` blocks in assistant turns,
+        ``<tool_response>`` user turns for results.
+        """
         msgs = [message_to_dict(m) if isinstance(m, Message) else m for m in messages]
         tool_dicts = (
             [tool_to_dict(t) if isinstance(t, Tool) else t for t in tools] if tools else None
         )
+        if not (self.handles_tools and self.handles_tool_calls):
+            msgs = _fallback_tools(
+                msgs, tool_dicts, tools_ok=self.handles_tools, calls_ok=self.handles_tool_calls
+            )
+            if not self.handles_tools:
+                tool_dicts = None
         variables = {
             **self.special,
             **kwargs,

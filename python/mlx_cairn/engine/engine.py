@@ -96,8 +96,6 @@ class Engine:
         ):
             if not isinstance(val, int) or val < 1:
                 raise ValueError(f"{name} must be a positive integer, got {val!r}")
-        if step_token_budget < max_batch:
-            raise ValueError("step_token_budget must be at least max_batch")
         self.loaded = loaded_model
         model = loaded_model.model
         if kv_dtype is None:

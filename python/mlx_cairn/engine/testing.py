@@ -52,6 +52,8 @@ def assert_at_rest(engine: Any, timeout: float = 30.0) -> dict[str, Any]:
     pool = engine._pool
     # The stats snapshot follows the last step; the engine thread is idle now,
     # so reading refcounts here races with nothing.
+    if hasattr(pool, "check_invariants"):
+        pool.check_invariants()
     held = [b for b in range(1, pool.num_blocks) if pool.refcount(b) != 0]
     assert not held, f"blocks still referenced at rest: {held[:20]}"
     assert pool.num_free_blocks == pool.num_blocks - 1, (pool.num_free_blocks, pool.num_blocks)

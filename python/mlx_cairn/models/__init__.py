@@ -18,3 +18,7 @@ __all__ = [
     "LoadedModel",
     "ModelArgs",
 ]
+
+from mlx_cairn.models.loader import default_model_path, load
+
+__all__ += ["default_model_path", "load"]

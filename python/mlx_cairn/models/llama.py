@@ -129,6 +129,12 @@ class RoPE(nn.Module):
         elif kind not in (None, "default"):
             raise ModelLoadError(f"unsupported rope_scaling type {kind!r}")
 
+    def set_freqs(self, freqs: mx.array) -> None:
+        """Use explicit per-pair RoPE periods (as ``mx.fast.rope``'s ``freqs``)."""
+        self._freqs = freqs
+        self.base = None
+        self.scale = 1.0
+
     def __call__(self, x: mx.array, offset: mx.array) -> mx.array:
         return mx.fast.rope(
             x,

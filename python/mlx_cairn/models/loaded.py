@@ -80,6 +80,9 @@ def assemble(
     }
     if parser_family == "auto":
         parser_family = detect_parser_family(template_source, vocab)
+        if parser_family is None and not template.handles_tools:
+            # ChatTemplate spells tools in the Hermes format for such templates.
+            parser_family = "hermes"
     if reasoning is None:
         reasoning = detect_reasoning(template_source, vocab)
     if tokenizer.eos_token_id is not None:

@@ -1,0 +1,97 @@
+"""The Anthropic Messages dialect: ``/v1/messages`` and ``/v1/messages/count_tokens``."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from fastapi import APIRouter, Request
+from starlette.responses import Response
+
+from mlx_cairn.api.dialects import Dialect, ModelInfo
+from mlx_cairn.api.runner import GenerationResponse, start_generation
+from mlx_cairn.api.state import app_state, json_response, read_json
+from mlx_cairn.protocol.anthropic import parse_count_tokens_request, parse_messages_request
+from mlx_cairn.protocol.anthropic_stream import (
+    ERROR_TYPES,
+    AnthropicCodec,
+    error_payload,
+    status_type,
+)
+
+
+def _error_body(status: int, kind: str, message: str, param: str | None) -> dict[str, Any]:
+    return error_payload(status_type(status), message)
+
+
+def _status_for_kind(kind: str) -> int:
+    return ERROR_TYPES.get(kind, (500, "api_error"))[0]
+
+
+def _models_body(models: list[ModelInfo]) -> dict[str, Any]:
+    import datetime as dt
+
+    data = [
+        {
+            "type": "model",
+            "id": m.id,
+            "display_name": m.id,
+            "created_at": dt.datetime.fromtimestamp(m.created, dt.timezone.utc)
+            .isoformat()
+            .replace("+00:00", "Z"),
+        }
+        for m in models
+    ]
+    return {
+        "data": data,
+        "has_more": False,
+        "first_id": data[0]["id"] if data else None,
+        "last_id": data[-1]["id"] if data else None,
+    }
+
+
+DIALECT = Dialect(
+    name="anthropic",
+    prefixes=("/v1/messages",),
+    error_body=_error_body,
+    models_body=_models_body,
+    header_hint="anthropic-version",
+    status_for_kind=_status_for_kind,
+)
+
+router = APIRouter()
+
+
+@router.post("/v1/messages")
+async def create_message(request: Request) -> Response:
+    """Anthropic Messages: SSE when ``stream`` is true, else one JSON Message."""
+    state = app_state(request)
+    areq = parse_messages_request(
+        await read_json(request), max_tokens_limit=state.config.max_tokens_limit
+    )
+    sm = await state.registry.get(areq.model)
+    gen = await start_generation(sm, areq.chat, clamp_max_tokens=state.config.clamp_max_tokens)
+    chat = areq.chat
+    codec = AnthropicCodec(
+        model=sm.name,
+        input_tokens=gen.input_tokens,
+        show_thinking=areq.show_thinking,
+        allow_tools=bool(chat.tools) and chat.tool_choice != "none",
+    )
+    return GenerationResponse(
+        gen,
+        codec,
+        stream=areq.stream,
+        dialect=DIALECT,
+        ping_interval=state.config.ping_interval,
+    )
+
+
+@router.post("/v1/messages/count_tokens")
+async def count_tokens(request: Request) -> Response:
+    """``{"input_tokens": N}``, N equal to the usage the same request would report."""
+    state = app_state(request)
+    areq = parse_count_tokens_request(await read_json(request))
+    sm = await state.registry.get(areq.model)
+    n = await asyncio.to_thread(sm.engine.count_tokens, areq.chat)
+    return json_response({"input_tokens": int(n)})

@@ -1,0 +1,132 @@
+"""Dialects: who owns which paths, and how each one spells an error.
+
+A dialect module (``mlx_cairn.api.anthropic``, later the OpenAI ones) exposes
+``DIALECT`` (a :class:`Dialect`) and ``router`` (a FastAPI ``APIRouter``) and is
+listed in :data:`mlx_cairn.api.app.DIALECT_MODULES`. Every error the server
+sends (401 from the gate, 413, 404 for an unknown path, a validation 400, an
+engine failure) goes through :func:`error_response` with the dialect picked by
+:meth:`DialectSet.for_scope`:
+
+1. the dialect whose path prefix matches the request path (longest wins);
+2. on shared paths (``/v1/models``, ``/health``, unknown paths) the first
+   dialect whose ``header_hint`` header is present (Anthropic:
+   ``anthropic-version``, which the anthropic SDK and Claude Code always send);
+3. else the dialect marked ``shared_default`` (else the first one listed).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, MutableMapping
+from dataclasses import dataclass
+from typing import Any
+
+import orjson
+from starlette.responses import Response
+
+from mlx_cairn.errors import CairnError
+
+#: (status, kind, message, param) -> JSON error body.
+ErrorBody = Callable[[int, str, str, "str | None"], dict[str, Any]]
+
+
+@dataclass(frozen=True, slots=True)
+class ModelInfo:
+    """One servable model name, for the model listings."""
+
+    id: str
+    #: The served model this name resolves to (itself unless an alias).
+    target: str
+    created: int
+    loaded: bool
+
+
+def default_status_for_kind(kind: str) -> int:
+    """HTTP status of an Error event's kind (``mlx_cairn.errors`` kinds)."""
+    return {"invalid_request": 400, "context_length": 400, "not_found": 404}.get(kind, 500)
+
+
+@dataclass(frozen=True)
+class Dialect:
+    """How one API dialect plugs into the shared server."""
+
+    name: str
+    #: Path prefixes this dialect owns, e.g. ("/v1/messages",).
+    prefixes: tuple[str, ...]
+    error_body: ErrorBody
+    #: Body of ``GET /v1/models`` in this dialect's shape.
+    models_body: Callable[[list[ModelInfo]], dict[str, Any]] | None = None
+    #: A request header that selects this dialect on shared paths.
+    header_hint: str | None = None
+    #: Use this dialect on shared paths when no header hint matches.
+    shared_default: bool = False
+    #: HTTP status for a generation that failed with an Error event of this
+    #: kind before a JSON response was sent.
+    status_for_kind: Callable[[str], int] = default_status_for_kind
+
+
+class ApiError(CairnError):
+    """An HTTP-level error raised by the server itself (auth, size, routing)."""
+
+    def __init__(
+        self,
+        status: int,
+        kind: str,
+        message: str,
+        *,
+        headers: dict[str, str] | None = None,
+        param: str | None = None,
+    ) -> None:
+        super().__init__(message, param=param)
+        self.status = status
+        self.kind = kind
+        self.headers = headers or {}
+
+
+class DialectSet:
+    """The dialects of one app, with the lookup rule of the module doc."""
+
+    def __init__(self, dialects: Iterable[Dialect]) -> None:
+        self.dialects = list(dialects)
+        if not self.dialects:
+            raise ValueError("at least one dialect is required")
+        self._by_prefix = sorted(
+            ((p, d) for d in self.dialects for p in d.prefixes), key=lambda pd: -len(pd[0])
+        )
+        self.default = next((d for d in self.dialects if d.shared_default), self.dialects[0])
+
+    def for_scope(self, scope: MutableMapping[str, Any]) -> Dialect:
+        """The dialect that answers this request (see the module doc)."""
+        path: str = scope.get("path", "")
+        for prefix, d in self._by_prefix:
+            if path == prefix or path.startswith(prefix.rstrip("/") + "/"):
+                return d
+        names = {k for k, _ in scope.get("headers", [])}
+        for d in self.dialects:
+            if d.header_hint and d.header_hint.encode() in names:
+                return d
+        return self.default
+
+
+def error_response(
+    dialect: Dialect,
+    status: int,
+    kind: str,
+    message: str,
+    *,
+    param: str | None = None,
+    headers: dict[str, str] | None = None,
+) -> Response:
+    """An error in ``dialect``'s envelope."""
+    body = orjson.dumps(dialect.error_body(status, kind, message, param))
+    return Response(body, status_code=status, headers=headers, media_type="application/json")
+
+
+def response_for(dialect: Dialect, err: CairnError) -> Response:
+    """The error response for a typed error (QueueFull gets Retry-After)."""
+    headers = dict(getattr(err, "headers", {}) or {})
+    retry_after = getattr(err, "retry_after", None)
+    if retry_after is not None:
+        headers["Retry-After"] = str(max(1, round(retry_after)))
+    return error_response(
+        dialect, err.status, err.kind, err.message, param=err.param, headers=headers
+    )

@@ -1,0 +1,249 @@
+"""Run one ChatRequest on an engine and answer with SSE or one folded JSON body.
+
+This is the dialect-neutral half of every generation route::
+
+    gen = await start_generation(served_model, chat_request, clamp_max_tokens=False)
+    #   ^ 400 (validation / context), 429 (queue full) raised here, before any byte
+    return GenerationResponse(gen, codec, stream=wants_sse, dialect=DIALECT)
+
+:class:`GenerationResponse` is an ASGI response that
+
+- streams ``codec.open()`` then ``codec.feed(event)`` frames as SSE, with a
+  ``codec.ping()`` frame whenever nothing was sent for ``ping_interval``
+  seconds (queued, prefilling, slow decode), or
+- folds exactly those frames with ``codec.fold`` into one JSON body;
+- watches the ASGI receive channel for ``http.disconnect`` the whole time and
+  cancels the engine stream at once when the client goes away (both modes);
+- sets ``X-Session-Cache`` (``fresh`` | ``prefix_hit`` on JSON, ``streaming``
+  on SSE) and ``X-Cached-Tokens``.
+
+Trailers: on a stream the cached-token count is known only at the end. When the
+ASGI server offers the ``http.response.trailers`` extension (HTTP/2 servers,
+Starlette's test client) ``X-Cached-Tokens`` and ``X-Session-Cache`` are sent as
+HTTP trailers. uvicorn's HTTP/1.1 protocols (h11, httptools) do not implement
+that extension, so under ``cairn serve`` the same two values end the stream as
+an SSE comment line (``: x-session-cache=prefix_hit x-cached-tokens=128``),
+which every SSE client ignores, and the count is in the final usage
+(``cache_read_input_tokens`` for Anthropic) as well.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import orjson
+from starlette.responses import Response
+from starlette.types import Receive, Scope, Send
+
+from mlx_cairn.api.dialects import Dialect, error_response
+from mlx_cairn.api.registry import ServedModel
+from mlx_cairn.errors import ContextLengthExceeded
+from mlx_cairn.protocol.base import Codec, WireEvent, encode
+from mlx_cairn.protocol.sse import comment
+from mlx_cairn.types import ChatRequest, Done, Error, Event
+
+log = logging.getLogger("mlx_cairn.api")
+
+#: Default seconds of silence before a keep-alive frame.
+PING_INTERVAL = 3.0
+TRAILERS_EXT = "http.response.trailers"
+
+
+@dataclass(slots=True)
+class Generation:
+    """A submitted request: the engine's event stream and the prompt size."""
+
+    stream: Any  # mlx_cairn.engine RequestStream: async iterator + cancel()
+    input_tokens: int
+    model: ServedModel
+
+
+async def start_generation(
+    sm: ServedModel, chat: ChatRequest, *, clamp_max_tokens: bool = False
+) -> Generation:
+    """Prepare and submit; typed errors (400 / 429) are raised before any response byte.
+
+    With ``clamp_max_tokens`` a request whose prompt fits but whose
+    ``max_tokens`` does not is given the room that is left instead of a 400.
+    """
+    engine = sm.engine
+    try:
+        prepared = await asyncio.to_thread(engine.prepare, chat)
+    except ContextLengthExceeded:
+        context = getattr(sm.loaded, "context_length", None)
+        if not clamp_max_tokens or not context:
+            raise
+        room = int(context) - await asyncio.to_thread(engine.count_tokens, chat)
+        if room < 1 or room >= chat.max_tokens:
+            raise
+        chat.max_tokens = room
+        prepared = await asyncio.to_thread(engine.prepare, chat)
+    stream = engine.submit(prepared)  # QueueFull at once when the queue is full
+    return Generation(stream, int(prepared.num_prompt_tokens), sm)
+
+
+class _Disconnected(Exception):
+    pass
+
+
+class GenerationResponse(Response):
+    """ASGI response for one generation: SSE or folded JSON (see module doc)."""
+
+    def __init__(
+        self,
+        gen: Generation,
+        codec: Codec,
+        *,
+        stream: bool,
+        dialect: Dialect,
+        ping_interval: float = PING_INTERVAL,
+    ) -> None:
+        # Response.__init__ is not called: this class writes its own messages.
+        self.status_code = 200
+        self.background = None
+        self.gen = gen
+        self.codec = codec
+        self.stream = stream
+        self.dialect = dialect
+        self.ping_interval = ping_interval
+        self._events = gen.stream.__aiter__()
+        self._pending: asyncio.Future[Event] | None = None
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        watcher = asyncio.ensure_future(_wait_for_disconnect(receive))
+        try:
+            if self.stream:
+                await self._run_stream(scope, send, watcher)
+            else:
+                await self._run_json(scope, receive, send, watcher)
+        except _Disconnected:
+            log.info("client disconnected; generation cancelled")
+        finally:
+            watcher.cancel()
+            if self._pending is not None:
+                self._pending.cancel()
+            self.gen.stream.cancel()  # no-op once the stream has finished
+            with contextlib.suppress(asyncio.CancelledError):
+                await watcher
+
+    async def _next(self, watcher: asyncio.Future[None], timeout: float | None) -> Event | None:
+        """The next Event, None on timeout; raises _Disconnected when the client left."""
+        if self._pending is None:
+            self._pending = asyncio.ensure_future(_anext(self._events))
+        done, _ = await asyncio.wait(
+            {self._pending, watcher}, timeout=timeout, return_when=asyncio.FIRST_COMPLETED
+        )
+        if self._pending in done:
+            fut, self._pending = self._pending, None
+            return fut.result()
+        if watcher in done:
+            self.gen.stream.cancel()
+            raise _Disconnected
+        return None
+
+    # ------------------------------------------------------------ SSE
+
+    async def _run_stream(self, scope: Scope, send: Send, watcher: asyncio.Future[None]) -> None:
+        trailers = TRAILERS_EXT in (scope.get("extensions") or {})
+        headers = [
+            (b"content-type", b"text/event-stream; charset=utf-8"),
+            (b"cache-control", b"no-cache"),
+            (b"x-accel-buffering", b"no"),
+            (b"x-session-cache", b"streaming"),
+        ]
+        if trailers:
+            headers.append((b"trailer", b"X-Session-Cache, X-Cached-Tokens"))
+        await send(
+            {"type": "http.response.start", "status": 200, "headers": headers, "trailers": trailers}
+        )
+
+        async def out(frames: list[WireEvent]) -> None:
+            if frames:
+                await send(
+                    {
+                        "type": "http.response.body",
+                        "body": b"".join(encode(f) for f in frames),
+                        "more_body": True,
+                    }
+                )
+
+        await out(self.codec.open())
+        done: Done | None = None
+        while True:
+            ev = await self._next(watcher, self.ping_interval)
+            if ev is None:
+                await send(
+                    {"type": "http.response.body", "body": self.codec.ping(), "more_body": True}
+                )
+                continue
+            await out(self.codec.feed(ev))
+            if isinstance(ev, Done):
+                done = ev
+                break
+            if isinstance(ev, Error):
+                break
+        cached = done.usage.cached_tokens if done is not None else 0
+        session = b"prefix_hit" if cached > 0 else b"fresh"
+        if trailers:
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+            await send(
+                {
+                    "type": "http.response.trailers",
+                    "headers": [
+                        (b"x-session-cache", session),
+                        (b"x-cached-tokens", str(cached).encode()),
+                    ],
+                    "more_trailers": False,
+                }
+            )
+        else:
+            tail = comment(f"x-session-cache={session.decode()} x-cached-tokens={cached}")
+            await send({"type": "http.response.body", "body": tail, "more_body": False})
+
+    # ----------------------------------------------------------- JSON
+
+    async def _run_json(
+        self, scope: Scope, receive: Receive, send: Send, watcher: asyncio.Future[None]
+    ) -> None:
+        wire = self.codec.open()
+        while True:
+            ev = await self._next(watcher, None)
+            if ev is None:  # pragma: no cover - no timeout in JSON mode
+                continue
+            if isinstance(ev, Error):
+                resp = error_response(
+                    self.dialect, self.dialect.status_for_kind(ev.kind), ev.kind, ev.message
+                )
+                await resp(scope, receive, send)
+                return
+            wire += self.codec.feed(ev)
+            if isinstance(ev, Done):
+                break
+        body = orjson.dumps(self.codec.fold(wire))
+        cached = ev.usage.cached_tokens
+        headers = [
+            (b"content-type", b"application/json"),
+            (b"content-length", str(len(body)).encode()),
+            (b"x-session-cache", b"prefix_hit" if cached > 0 else b"fresh"),
+            (b"x-cached-tokens", str(cached).encode()),
+        ]
+        await send({"type": "http.response.start", "status": 200, "headers": headers})
+        await send({"type": "http.response.body", "body": body, "more_body": False})
+
+
+async def _anext(it: Any) -> Event:
+    try:
+        return await it.__anext__()  # type: ignore[no-any-return]
+    except StopAsyncIteration:
+        return Error("internal", "the generation ended without a final event")
+
+
+async def _wait_for_disconnect(receive: Receive) -> None:
+    while True:
+        msg = await receive()
+        if msg["type"] == "http.disconnect":
+            return

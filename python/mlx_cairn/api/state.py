@@ -1,0 +1,63 @@
+"""Server settings and the per-app state every route reads."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import orjson
+from starlette.requests import Request
+from starlette.responses import Response
+
+from mlx_cairn.api.dialects import DialectSet
+from mlx_cairn.api.registry import ModelRegistry
+from mlx_cairn.errors import InvalidRequest
+
+#: Default request-body limit (Claude Code sends long conversations).
+DEFAULT_MAX_BODY_BYTES = 32 * 1024 * 1024
+#: Default upper bound on ``max_tokens`` (a request above it is a 400).
+DEFAULT_MAX_TOKENS_LIMIT = 128_000
+
+
+@dataclass(slots=True)
+class ServerConfig:
+    """Settings of one server (``cairn serve`` flags)."""
+
+    #: The shared API token; None leaves the server open.
+    api_token: str | None = None
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    max_tokens_limit: int = DEFAULT_MAX_TOKENS_LIMIT
+    #: Give a request whose prompt fits the room that is left instead of a 400.
+    clamp_max_tokens: bool = False
+    #: Seconds of silence on a stream before a ping frame.
+    ping_interval: float = 3.0
+
+
+@dataclass(slots=True)
+class AppState:
+    """What the routes share: models, settings, dialects."""
+
+    registry: ModelRegistry
+    config: ServerConfig
+    dialects: DialectSet
+
+
+def app_state(request: Request) -> AppState:
+    """The :class:`AppState` of the app serving ``request``."""
+    return request.app.state.cairn  # type: ignore[no-any-return]
+
+
+async def read_json(request: Request) -> Any:
+    """The request body as JSON; invalid JSON or UTF-8 is a 400."""
+    raw = await request.body()
+    if not raw:
+        raise InvalidRequest("request body is empty; expected a JSON object")
+    try:
+        return orjson.loads(raw)
+    except orjson.JSONDecodeError as e:
+        raise InvalidRequest(f"request body is not valid JSON: {e}") from None
+
+
+def json_response(body: Any, status: int = 200, headers: dict[str, str] | None = None) -> Response:
+    """A JSON response encoded with orjson."""
+    return Response(orjson.dumps(body), status, headers, media_type="application/json")

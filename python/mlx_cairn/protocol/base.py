@@ -1,0 +1,53 @@
+"""The dialect-neutral encoder/fold interface (DESIGN.md §1).
+
+Every dialect turns one request's Event stream into a list of *wire events*:
+``(name, payload)`` pairs, exactly the frames a streaming client receives
+(``name`` is the SSE ``event:`` field, None for dialects without one).
+A streaming response frames them as they come; a JSON response folds the very
+same wire events into one body. There is no second code path, so
+``fold(stream) == non_stream`` holds by construction::
+
+    codec = AnthropicCodec(...)                 # one per request
+    wire = codec.open()                         # e.g. message_start
+    for ev in events:                           # TextDelta, ToolCall, ..., Done
+        wire += codec.feed(ev)
+    body = codec.fold(wire)                     # the JSON response
+
+A dialect implements :class:`Codec`; the runner in :mod:`mlx_cairn.api.runner`
+does the rest (pings, disconnects, headers, errors).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+from mlx_cairn.protocol.sse import frame
+from mlx_cairn.types import Event
+
+#: One frame of a dialect's stream: (SSE event name or None, JSON payload or raw str).
+WireEvent = tuple[str | None, Any]
+
+
+class Codec(Protocol):
+    """Encodes one request's Events for one dialect (stateful, single use)."""
+
+    def open(self) -> list[WireEvent]:
+        """Frames sent before the first Event (e.g. Anthropic ``message_start``)."""
+        ...
+
+    def feed(self, ev: Event) -> list[WireEvent]:
+        """Frames for one Event; after Done/Error the stream is complete."""
+        ...
+
+    def ping(self) -> bytes:
+        """One keep-alive frame (already framed)."""
+        ...
+
+    def fold(self, wire: list[WireEvent]) -> dict[str, Any]:
+        """The non-streaming JSON body: a fold over ``open() + feed(...)`` frames."""
+        ...
+
+
+def encode(we: WireEvent) -> bytes:
+    """SSE bytes of one wire event."""
+    return frame(we[0], we[1])

@@ -1,0 +1,181 @@
+"""Loading tiny models back from HF folders, MLX-quantized folders and GGUF files."""
+
+from __future__ import annotations
+
+import json
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+import pytest
+from mlx.utils import tree_flatten
+
+from mlx_cairn.errors import ModelLoadError, ModelNotFound
+from mlx_cairn.models import ContiguousKVCache, load
+from mlx_cairn.models.export import save_folder
+from mlx_cairn.models.llama import RoPE
+from mlx_cairn.models.testing import tiny_model
+from models_fixtures import write_tiny_gguf
+
+IDS = [1, 40, 7, 99, 250, 3, 17]
+ARCHS = ["llama", "qwen2", "qwen3"]
+
+
+def _logits(lm, ids=IDS) -> np.ndarray:
+    cache = ContiguousKVCache(lm.model.num_layers)
+    return np.array(lm.model.logits(lm.model(mx.array([ids]), cache))[0])
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_folder_round_trip(tmp_path, arch):
+    lm = tiny_model(arch, seed=3)
+    save_folder(lm, tmp_path / arch)
+    back = load(str(tmp_path / arch))
+    np.testing.assert_array_equal(_logits(back), _logits(lm))
+    assert back.source_format == "hf"
+    assert back.eos_token_ids == lm.eos_token_ids
+    assert back.parser_family == lm.parser_family
+    assert back.reasoning == lm.reasoning
+    assert back.context_length == 2048
+    assert back.template.source == lm.template.source
+    text = "Hello <|im_start|>world 😀"
+    assert back.tokenizer.encode(text) == lm.tokenizer.encode(text)
+    assert back.identity == load(str(tmp_path / arch)).identity
+
+
+def test_sharded_folder_with_index(tmp_path):
+    lm = tiny_model("llama", seed=4)
+    folder = save_folder(lm, tmp_path / "m")
+    weights = mx.load(str(folder / "model.safetensors"))
+    (folder / "model.safetensors").unlink()
+    keys = sorted(weights)
+    shards = {
+        "model-00001-of-00002.safetensors": keys[::2],
+        "model-00002-of-00002.safetensors": keys[1::2],
+    }
+    weight_map = {}
+    for name, ks in shards.items():
+        mx.save_safetensors(str(folder / name), {k: weights[k] for k in ks})
+        weight_map.update(dict.fromkeys(ks, name))
+    (folder / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    np.testing.assert_array_equal(_logits(load(str(folder))), _logits(lm))
+
+
+def _fake_quantized(lm, group_size: int, bits: int) -> np.ndarray:
+    """Reference logits: every matrix replaced by dequantize(quantize(w))."""
+    params = []
+    for k, v in tree_flatten(lm.model.parameters()):
+        if k.endswith(".weight") and v.ndim == 2 and "norm" not in k:
+            v = mx.dequantize(
+                *mx.quantize(v, group_size=group_size, bits=bits), group_size=group_size, bits=bits
+            )
+        params.append((k, v))
+    lm.model.load_weights(params)
+    return _logits(lm)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("bits", [4, 8])
+def test_mlx_quantized_folder(tmp_path, arch, bits):
+    lm = tiny_model(arch, seed=5)
+    save_folder(lm, tmp_path / "q", quantize=(32, bits))
+    config = json.loads((tmp_path / "q" / "config.json").read_text())
+    assert config["quantization"] == {"group_size": 32, "bits": bits}
+
+    dense = load(str(tmp_path / "q"))  # CPU: dequantized at load
+    assert dense.source_format == "mlx-quantized"
+    assert not any(isinstance(m, nn.QuantizedLinear) for _, m in dense.model.named_modules())
+    want = _fake_quantized(lm, 32, bits)
+    np.testing.assert_allclose(_logits(dense), want, rtol=1e-4, atol=1e-4)
+
+    kept = load(str(tmp_path / "q"), keep_quantized=True)
+    assert any(isinstance(m, nn.QuantizedLinear) for _, m in kept.model.named_modules())
+    np.testing.assert_allclose(_logits(kept), want, rtol=1e-3, atol=1e-3)
+    assert kept.identity != dense.identity
+
+
+def test_gguf_round_trip_with_interleaved_rope(tmp_path):
+    lm = tiny_model("llama", seed=6)
+    path = write_tiny_gguf(lm, tmp_path / "tiny.gguf")
+    back = load(str(path))
+    assert back.source_format == "gguf"
+    assert back.model.args.rope_traditional
+    np.testing.assert_allclose(_logits(back), _logits(lm), rtol=1e-5, atol=1e-5)
+    for text in [
+        "The capital of France is Paris.",
+        "<|im_start|>user\nhéllo 日本語 😀<|im_end|>",
+        "  x\n\n12345",
+    ]:
+        assert back.tokenizer.encode(text) == lm.tokenizer.encode(text)
+        assert back.tokenizer.decode(back.tokenizer.encode(text)) == lm.tokenizer.decode(
+            lm.tokenizer.encode(text)
+        )
+    assert back.tokenizer.token_to_id("<|im_end|>") in back.eos_token_ids
+    with pytest.raises(ValueError, match="RoPE factors"):
+        save_folder(back, tmp_path / "hf")
+
+
+def test_gguf_export_restores_split_half_rope(tmp_path):
+    lm = tiny_model("llama", seed=7)
+    lm.model.args.rope_scaling = None
+    for layer in lm.model.model.layers:
+        layer.self_attn.rope = RoPE(lm.model.args)
+    back = load(str(write_tiny_gguf(lm, tmp_path / "tiny.gguf")))
+    np.testing.assert_allclose(_logits(back), _logits(lm), rtol=1e-5, atol=1e-5)
+    save_folder(back, tmp_path / "hf")
+    again = load(str(tmp_path / "hf"))
+    assert back.model.args.rope_traditional and not again.model.args.rope_traditional
+    np.testing.assert_allclose(_logits(again), _logits(lm), rtol=1e-5, atol=1e-5)
+
+
+def test_errors_are_clear(tmp_path):
+    with pytest.raises(ModelNotFound, match="not found"):
+        load(str(tmp_path / "missing"))
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ModelLoadError, match=r"config\.json"):
+        load(str(tmp_path / "empty"))
+    (tmp_path / "x.bin").write_bytes(b"\0")
+    with pytest.raises(ModelLoadError, match="neither"):
+        load(str(tmp_path / "x.bin"))
+    (tmp_path / "bad.gguf").write_bytes(b"not a gguf")
+    with pytest.raises(ModelLoadError, match=r"bad\.gguf"):
+        load(str(tmp_path / "bad.gguf"))
+
+    folder = save_folder(tiny_model("llama"), tmp_path / "m")
+    with pytest.raises(ModelLoadError, match="dtype"):
+        load(str(folder), dtype="float64")
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "model_type": "mamba"}))
+    with pytest.raises(ModelLoadError, match="unsupported model architecture 'mamba'"):
+        load(str(folder))
+    (folder / "config.json").write_text(
+        json.dumps({**config, "quantization_config": {"quant_method": "gptq", "bits": 4}})
+    )
+    with pytest.raises(ModelLoadError, match="gptq"):
+        load(str(folder))
+    (folder / "config.json").write_text(json.dumps({**config, "num_hidden_layers": 3}))
+    with pytest.raises(ModelLoadError, match="does not match"):
+        load(str(folder))
+    (folder / "config.json").write_text(json.dumps(config))
+    (folder / "tokenizer.json").unlink()
+    with pytest.raises(ModelLoadError, match=r"tokenizer\.json"):
+        load(str(folder))
+
+
+def test_unsupported_gguf_architecture_is_named(tmp_path):
+    path = tmp_path / "m.gguf"
+    mx.save_gguf(
+        str(path), {"token_embd.weight": mx.zeros((4, 4))}, {"general.architecture": "gemma3"}
+    )
+    with pytest.raises(ModelLoadError, match="unsupported model architecture 'gemma3'"):
+        load(str(path))
+
+
+def test_eos_ids_are_merged_from_every_source(tmp_path):
+    lm = tiny_model("qwen3")
+    folder = save_folder(lm, tmp_path / "m")
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "eos_token_id": 5}))
+    (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": [6, 7]}))
+    back = load(str(folder))
+    assert back.eos_token_ids == {5, 6, 7, lm.tokenizer.eos_token_id}
