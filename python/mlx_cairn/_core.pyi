@@ -12,6 +12,12 @@ __version__: str
 # Names the extension exports (pyo3 fills __all__); each section lists its own.
 __all__ = [  # noqa: RUF022  (grouped by section)
     "__version__",
+    # sse
+    "SseDecoder",
+    "SseEvent",
+    "encode_comment",
+    "encode_event",
+    "encode_ping",
     # kv
     "BlockHashes",
     "BlockPool",
@@ -127,6 +133,53 @@ def coalesce(segments: Sequence[Segment]) -> list[Segment]: ...
 # ---------------------------------------------------------------------------
 # sse: SSE frame encoder / decoder (rust/sse, bindings/src/sse.rs)
 # ---------------------------------------------------------------------------
+
+@final
+class SseEvent:
+    """One decoded Server-Sent Event."""
+
+    def __new__(
+        cls, data: str, event: str | None = None, id: str | None = None, retry: int | None = None
+    ) -> SseEvent: ...
+    @property
+    def event(self) -> str | None:
+        """The ``event:`` field; None means the default type ("message")."""
+    @property
+    def data(self) -> str:
+        """The data lines joined with LF."""
+    @property
+    def id(self) -> str | None:
+        """The stream's last event id at dispatch (it persists across events)."""
+    @property
+    def retry(self) -> int | None:
+        """A ``retry:`` value (milliseconds) seen since the previous event."""
+    def __eq__(self, other: object, /) -> bool: ...
+
+@final
+class SseDecoder:
+    """Incremental WHATWG event-stream decoder; feed bytes in any chunking."""
+
+    def __new__(cls, max_event_bytes: int | None = None) -> SseDecoder: ...
+    def feed(self, chunk: bytes | bytearray | memoryview | str) -> list[SseEvent]:
+        """Decode one chunk; returns the events it completed."""
+    def finish(self) -> bool:
+        """End the stream (an incomplete event is dropped); True if something was dropped."""
+    @property
+    def has_partial(self) -> bool:
+        """True while an unfinished line or event is buffered."""
+    @property
+    def last_event_id(self) -> str | None: ...
+
+def encode_event(
+    event: str | None, data: str | bytes, *, id: str | None = None, retry: int | None = None
+) -> bytes:
+    """One event frame: ``event:`` line if named, one ``data:`` line per line of data."""
+
+def encode_comment(text: str = "") -> bytes:
+    """A comment frame (``: text``), ignored by clients; keeps connections alive."""
+
+def encode_ping() -> bytes:
+    """The Anthropic keep-alive frame ``event: ping`` / ``data: {"type": "ping"}``."""
 
 # (end of sse section)
 

@@ -40,6 +40,7 @@ from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
 from mlx_cairn.api.dialects import Dialect, error_response
+from mlx_cairn.api.metrics import observe_event
 from mlx_cairn.api.registry import ServedModel
 from mlx_cairn.errors import ContextLengthExceeded
 from mlx_cairn.protocol.base import Codec, WireEvent, encode
@@ -114,6 +115,7 @@ class GenerationResponse(Response):
         self._pending: asyncio.Future[Event] | None = None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        self._scope = scope  # for the /metrics observations of final events
         watcher = asyncio.ensure_future(_wait_for_disconnect(receive))
         try:
             if self.stream:
@@ -122,6 +124,7 @@ class GenerationResponse(Response):
                 await self._run_json(scope, receive, send, watcher)
         except _Disconnected:
             log.info("client disconnected; generation cancelled")
+            observe_event(scope, self.gen.model.name, Error("disconnected", "client went away"))
         finally:
             watcher.cancel()
             if self._pending is not None:
@@ -139,7 +142,9 @@ class GenerationResponse(Response):
         )
         if self._pending in done:
             fut, self._pending = self._pending, None
-            return fut.result()
+            ev = fut.result()
+            observe_event(self._scope, self.gen.model.name, ev)
+            return ev
         if watcher in done:
             self.gen.stream.cancel()
             raise _Disconnected
