@@ -10,7 +10,6 @@ the output parser (reasoning / tool-call tags) over each decoded chunk::
 
 from __future__ import annotations
 
-import uuid
 from typing import Any
 
 from mlx_cairn.engine.sequence import PreparedRequest
@@ -30,10 +29,9 @@ class SequenceOutput:
         self._pipeline: Any = None
         if TextPipeline is not None:
             self._pipeline = TextPipeline(
-                list(prepared.request.stop),
-                family=prepared.parser_family,
+                stop=list(prepared.request.stop),
+                parser=prepared.parser_family,
                 reasoning=prepared.reasoning,
-                starts_in_reasoning=prepared.reasoning and prepared.in_reasoning,
             )
         self.saw_tool_call = False
 
@@ -65,11 +63,4 @@ def _event(seg: Any) -> Event:
     """Map a pipeline segment to an Event (segments may already be Events)."""
     if isinstance(seg, (TextDelta, ReasoningDelta, ToolCall)):
         return seg
-    kind = getattr(seg, "kind", None)
-    if kind == "text":
-        return TextDelta(seg.text)
-    if kind == "reasoning":
-        return ReasoningDelta(seg.text)
-    if kind == "tool_call":
-        return ToolCall(f"call_{uuid.uuid4().hex[:24]}", seg.name, seg.arguments)
     raise TypeError(f"unexpected text pipeline segment {seg!r}")
