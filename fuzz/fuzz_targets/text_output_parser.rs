@@ -1,0 +1,63 @@
+//! OutputParser: no panics, any chunking equals the one-shot parse, markers
+//! never reach a segment, and (for tag families) nothing but tags and
+//! whitespace after blocks is lost.
+#![no_main]
+use arbitrary::Arbitrary;
+use cairn_text::{parse_output, Family, OutputParser, Segment, END_MARKERS};
+use libfuzzer_sys::fuzz_target;
+
+#[path = "text_common.rs"]
+mod common;
+
+#[derive(Arbitrary, Debug)]
+struct Input {
+    pieces: Vec<common::Piece>,
+    family: u8,
+    reasoning: bool,
+    starts_in_reasoning: bool,
+    cuts: Vec<u8>,
+}
+
+fn squash(s: &str) -> String {
+    let mut s = s.to_owned();
+    for t in ["<think>", "</think>", "<tool_call>", "</tool_call>"].iter().chain(END_MARKERS) {
+        s = s.replace(t, "");
+    }
+    s.chars().filter(|c| !c.is_whitespace()).collect()
+}
+
+fuzz_target!(|inp: Input| {
+    let text = common::build(&inp.pieces);
+    let family = common::family(inp.family);
+    let sir = inp.reasoning && inp.starts_in_reasoning;
+    let want = parse_output(&text, family, inp.reasoning, sir).unwrap();
+
+    let mut p = OutputParser::new(family, inp.reasoning, sir).unwrap();
+    let mut got = Vec::new();
+    for c in common::chunk(&text, &inp.cuts) {
+        got.extend(p.push(&c));
+    }
+    got.extend(p.flush());
+    assert_eq!(OutputParser::coalesce(got), want);
+
+    let mut all = String::new();
+    for s in &want {
+        match s {
+            Segment::Text(t) | Segment::Reasoning(t) => {
+                assert!(!t.is_empty());
+                for m in END_MARKERS {
+                    assert!(!t.contains(m), "marker {m} in {t:?}");
+                }
+                all.push_str(t);
+            }
+            Segment::ToolCall(c) => {
+                assert!(!c.name.is_empty());
+                assert!(c.arguments.starts_with('{') && c.arguments.ends_with('}'));
+                all.push_str(&c.raw);
+            }
+        }
+    }
+    if inp.reasoning && matches!(family, None | Some(Family::Hermes) | Some(Family::Qwen3Coder)) {
+        assert_eq!(squash(&all), squash(&text));
+    }
+});
