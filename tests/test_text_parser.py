@@ -184,9 +184,14 @@ def test_chunking_invariance(
 
 
 def strip(s: str) -> str:
-    for t in [*TAGS, *MARKERS, "<|python_tag|>", "[TOOL_CALLS]"]:
-        s = s.replace(t, "")
-    return "".join(s.split())
+    """Tags and markers removed until none is left (one can hide inside another)."""
+    while True:
+        t = s
+        for tag in [*TAGS, *MARKERS, "<|python_tag|>", "[TOOL_CALLS]"]:
+            t = t.replace(tag, "")
+        if t == s:
+            return "".join(s.split())
+        s = t
 
 
 @given(text=model_text(), family=st.sampled_from([None, "hermes", "qwen3_coder"]))
@@ -220,6 +225,13 @@ def test_no_tag_leaks_into_text(parts: list[str], data: st.DataObject) -> None:
     assert len([s for s in segs if s.kind == "tool_call"]) == sum(
         p.startswith("<tool_call>") for p in parts
     )
+
+
+def test_marker_spelled_around_a_marker() -> None:
+    # Dropping the inner marker joins the outer one's halves; that is text.
+    text = "<tool_<|im_end|>call>x"
+    assert parse_all_sizes(text, family="hermes") == [Segment("text", "<tool_call>x")]
+    assert strip(text) == strip("".join(s.text for s in parse_output(text, family="hermes")))
 
 
 def test_fragments_cover_all_families() -> None:

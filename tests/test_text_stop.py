@@ -99,3 +99,12 @@ def test_holds_back_exactly_the_possible_stop_prefix(
 def test_chunking_invariance_any_unicode(stops: list[str], text: str, data: st.DataObject) -> None:
     text = text + "".join(data.draw(st.lists(st.sampled_from(stops), max_size=2)))
     assert run_scanner(stops, data.draw(chunked(text))) == run_scanner(stops, [text])
+
+
+def test_many_and_huge_stops_build_and_match() -> None:
+    s = StopScanner([f"stop{i}" for i in range(10_000)])
+    assert s.push("xx stop9999 yy") == ("xx ", "stop9")  # "stop9" completes first
+    big = "s" * (1 << 20)
+    s = StopScanner([big])
+    vis, stop = s.push(big[1:] + "x" + big)
+    assert (len(vis), stop) == (len(big), big)

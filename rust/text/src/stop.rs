@@ -8,7 +8,13 @@ use std::collections::HashMap;
 
 use aho_corasick::automaton::{Automaton, StateID};
 use aho_corasick::dfa::DFA;
+use aho_corasick::nfa::contiguous::NFA;
 use aho_corasick::{Anchored, MatchKind};
+
+/// Above this many stop bytes the automaton is an NFA: building the full DFA
+/// is quadratic for long self-overlapping stops (`"aaaa…"`), while the NFA
+/// builds in linear time and is only a little slower per byte.
+const DFA_MAX_BYTES: usize = 4096;
 
 use crate::TextError;
 
@@ -36,10 +42,66 @@ pub struct StopScanner {
 
 #[derive(Debug, Clone)]
 struct StopDfa {
-    dfa: DFA,
+    aut: Aut,
     start: StateID,
     /// Trie depth of every reachable state = bytes to hold back there.
-    depth: HashMap<StateID, usize>,
+    depth: HashMap<StateID, u32>,
+}
+
+#[derive(Debug, Clone)]
+enum Aut {
+    Dfa(DFA),
+    Nfa(NFA),
+}
+
+/// Steps `a` over `bytes` from `sid`; stops at the first match state and
+/// returns (state, Some((stop index, byte offset of the match's last byte))).
+fn step<A: Automaton>(a: &A, mut sid: StateID, bytes: &[u8]) -> (StateID, Option<(usize, usize)>) {
+    for (i, &b) in bytes.iter().enumerate() {
+        sid = a.next_state(Anchored::No, sid, b);
+        if a.is_special(sid) && a.is_match(sid) {
+            // Standard semantics lists every stop ending here; the lowest
+            // pattern id is the first in the caller's list.
+            let best = (0..a.match_len(sid))
+                .map(|k| a.match_pattern(sid, k).as_usize())
+                .min()
+                .expect("a match state has a pattern");
+            return (sid, Some((best, i)));
+        }
+    }
+    (sid, None)
+}
+
+/// Breadth-first from the start state: the first time a state is reached is
+/// along its trie path, so that distance is its depth. Bytes that occur in no
+/// stop always lead back to depth 0, so only the stops' bytes are followed.
+fn depths<A: Automaton>(a: &A, start: StateID, stops: &[String]) -> HashMap<StateID, u32> {
+    let mut seen = [false; 256];
+    for s in stops {
+        for &b in s.as_bytes() {
+            seen[b as usize] = true;
+        }
+    }
+    let alphabet: Vec<u8> = (0..=255u8).filter(|&b| seen[b as usize]).collect();
+    let mut depth = HashMap::new();
+    depth.insert(start, 0u32);
+    let mut frontier = vec![start];
+    let mut d = 0;
+    while !frontier.is_empty() {
+        d += 1;
+        let mut next = Vec::new();
+        for &sid in &frontier {
+            for &b in &alphabet {
+                let t = a.next_state(Anchored::No, sid, b);
+                if let std::collections::hash_map::Entry::Vacant(e) = depth.entry(t) {
+                    e.insert(d);
+                    next.push(t);
+                }
+            }
+        }
+        frontier = next;
+    }
+    depth
 }
 
 impl StopScanner {
@@ -97,33 +159,31 @@ impl StopScanner {
             out.push_str(text);
             return None;
         };
-        let dfa = &aut.dfa;
-        let mut sid = self.state;
-        for (i, &b) in text.as_bytes().iter().enumerate() {
-            sid = dfa.next_state(Anchored::No, sid, b);
-            if dfa.is_special(sid) && dfa.is_match(sid) {
-                // Standard semantics lists every stop ending here; the
-                // lowest pattern id is the first in the caller's list.
-                let best = (0..dfa.match_len(sid))
-                    .map(|k| dfa.match_pattern(sid, k).as_usize())
-                    .min()
-                    .expect("a match state has a pattern");
-                let end = self.held.len() + i + 1;
-                let start = end - self.stops[best].len();
-                if start <= self.held.len() {
-                    out.push_str(&self.held[..start]);
-                } else {
-                    out.push_str(&self.held);
-                    out.push_str(&text[..start - self.held.len()]);
-                }
-                self.held.clear();
-                self.state = aut.start;
-                self.matched = Some(best);
-                return Some(best);
+        let (sid, hit) = match &aut.aut {
+            Aut::Dfa(a) => step(a, self.state, text.as_bytes()),
+            Aut::Nfa(a) => step(a, self.state, text.as_bytes()),
+        };
+        if let Some((best, i)) = hit {
+            let end = self.held.len() + i + 1;
+            let start = end - self.stops[best].len();
+            if start <= self.held.len() {
+                out.push_str(&self.held[..start]);
+            } else {
+                out.push_str(&self.held);
+                out.push_str(&text[..start - self.held.len()]);
             }
+            self.held.clear();
+            self.state = aut.start;
+            self.matched = Some(best);
+            return Some(best);
         }
         self.state = sid;
-        let keep = aut.depth[&sid];
+        // Most chunks end outside any stop prefix: skip the lookup then.
+        let keep = if sid == aut.start {
+            0
+        } else {
+            aut.depth[&sid] as usize
+        };
         let held_len = self.held.len();
         let cut = held_len + text.len() - keep;
         if cut >= held_len {
@@ -167,41 +227,25 @@ impl StopScanner {
 
 impl StopDfa {
     fn build(stops: &[String]) -> Result<Self, TextError> {
-        let dfa = DFA::builder()
-            .match_kind(MatchKind::Standard)
-            .build(stops)
-            .map_err(|e| TextError::Build(e.to_string()))?;
-        let start = dfa
-            .start_state(Anchored::No)
-            .map_err(|e| TextError::Build(e.to_string()))?;
-        // Breadth-first from the start state: the first time a state is
-        // reached is along its trie path, so that distance is its depth.
-        // Bytes that occur in no stop always lead back to depth 0.
-        let mut alphabet = [false; 256];
-        for s in stops {
-            for &b in s.as_bytes() {
-                alphabet[b as usize] = true;
-            }
-        }
-        let alphabet: Vec<u8> = (0..=255u8).filter(|&b| alphabet[b as usize]).collect();
-        let mut depth = HashMap::new();
-        depth.insert(start, 0usize);
-        let mut frontier = vec![start];
-        let mut d = 0;
-        while !frontier.is_empty() {
-            d += 1;
-            let mut next = Vec::new();
-            for &sid in &frontier {
-                for &b in &alphabet {
-                    let t = dfa.next_state(Anchored::No, sid, b);
-                    if let std::collections::hash_map::Entry::Vacant(e) = depth.entry(t) {
-                        e.insert(d);
-                        next.push(t);
-                    }
-                }
-            }
-            frontier = next;
-        }
-        Ok(StopDfa { dfa, start, depth })
+        let err = |e: &dyn std::fmt::Display| TextError::Build(e.to_string());
+        let total: usize = stops.iter().map(String::len).sum();
+        let (aut, start, depth) = if total <= DFA_MAX_BYTES {
+            let a = DFA::builder()
+                .match_kind(MatchKind::Standard)
+                .build(stops)
+                .map_err(|e| err(&e))?;
+            let start = a.start_state(Anchored::No).map_err(|e| err(&e))?;
+            let depth = depths(&a, start, stops);
+            (Aut::Dfa(a), start, depth)
+        } else {
+            let a = NFA::builder()
+                .match_kind(MatchKind::Standard)
+                .build(stops)
+                .map_err(|e| err(&e))?;
+            let start = a.start_state(Anchored::No).map_err(|e| err(&e))?;
+            let depth = depths(&a, start, stops);
+            (Aut::Nfa(a), start, depth)
+        };
+        Ok(StopDfa { aut, start, depth })
     }
 }

@@ -104,6 +104,16 @@ fn utf8_stops_and_text() {
 }
 
 #[test]
+fn long_self_overlapping_stop_builds_fast_and_works() {
+    // Quadratic to build as a DFA; linear as an NFA.
+    let stop = "s".repeat(200_000);
+    let mut s = StopScanner::new(&[stop.as_str()]).unwrap();
+    let text = format!("{}x{}", &stop[1..], stop);
+    let (out, m) = s.push(&text);
+    assert_eq!((out.len(), m), (stop.len(), Some(0)));
+}
+
+#[test]
 fn empty_stop_is_an_error_and_empty_list_passes_through() {
     assert_eq!(
         StopScanner::new(&["a", ""]).unwrap_err(),
