@@ -9,7 +9,9 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use cairn_kv::{BlockHash, BlockPool, ChainHasher, KvError};
 use pyo3::buffer::{ElementType, PyUntypedBuffer};
 use pyo3::exceptions::{PyIndexError, PyOverflowError, PyRuntimeError, PyTypeError, PyValueError};
+use pyo3::ffi;
 use pyo3::prelude::*;
+use pyo3::sync::critical_section::with_critical_section;
 use pyo3::types::{PyBytes, PyDict, PyList, PyString, PyTuple};
 
 /// Prompts at least this long are hashed with the GIL released.
@@ -78,17 +80,16 @@ fn buffer_ints(obj: &Bound<'_, PyAny>, hi: i64, what: &str) -> PyResult<Vec<u32>
             buf.dimensions()
         )));
     }
+    // One memcpy out of the buffer, one validation pass, one narrowing pass
+    // (which reuses the allocation when the widths match).
     macro_rules! conv {
         ($t:ty) => {{
-            let v = buf.as_typed::<$t>()?.to_vec(py)?;
-            v.into_iter()
-                .map(|x| match i64::try_from(x) {
-                    Ok(x) => check_range(x, hi, what),
-                    Err(_) => Err(PyValueError::new_err(format!(
-                        "{what} {x} is out of range 0..{hi}"
-                    ))),
-                })
-                .collect()
+            let v: Vec<$t> = buf.as_typed::<$t>()?.to_vec(py)?;
+            let ok = |x: $t| i64::try_from(x).is_ok_and(|x| (0..hi).contains(&x));
+            if let Some(bad) = v.iter().copied().find(|&x| !ok(x)) {
+                return Err(PyValueError::new_err(format!("{what} {bad} is out of range 0..{hi}")));
+            }
+            Ok(v.into_iter().map(|x| x as u32).collect())
         }};
     }
     match ElementType::from_format(buf.format()) {
@@ -105,10 +106,39 @@ fn buffer_ints(obj: &Bound<'_, PyAny>, hi: i64, what: &str) -> PyResult<Vec<u32>
     }
 }
 
+/// Integers from a list, reading exact small ints straight from the list.
+fn list_ints(list: &Bound<'_, PyList>, hi: i64, what: &str) -> PyResult<Vec<u32>> {
+    with_critical_section(list.as_any(), || {
+        let mut out = Vec::with_capacity(list.len());
+        let mut i = 0;
+        // Re-read the length each time: the slow path may run Python code.
+        while i < list.len() {
+            // SAFETY: `i` is below the length just read; the GIL (or, free-threaded,
+            // the critical section) keeps other threads from changing the list, and
+            // no Python code runs between the length check and this read.
+            let item = unsafe { ffi::PyList_GET_ITEM(list.as_ptr(), i as ffi::Py_ssize_t) };
+            // SAFETY: `item` is a valid borrowed reference (see above).
+            if unsafe { ffi::PyLong_CheckExact(item) } != 0 {
+                let mut overflow = 0;
+                // SAFETY: an exact int; this cannot fail other than by overflow.
+                let v = unsafe { ffi::PyLong_AsLongAndOverflow(item, &mut overflow) } as i64;
+                if overflow == 0 && (0..hi).contains(&v) {
+                    out.push(v as u32);
+                    i += 1;
+                    continue;
+                }
+            }
+            out.push(int_item(&list.get_item(i)?, hi, what)?);
+            i += 1;
+        }
+        Ok(out)
+    })
+}
+
 /// Integers in `0..hi` from a list, tuple, integer buffer or other iterable.
 fn int_seq(obj: &Bound<'_, PyAny>, hi: i64, what: &str) -> PyResult<Vec<u32>> {
     if let Ok(list) = obj.cast::<PyList>() {
-        return list.iter().map(|x| int_item(&x, hi, what)).collect();
+        return list_ints(list, hi, what);
     }
     if let Ok(t) = obj.cast::<PyTuple>() {
         return t.iter().map(|x| int_item(&x, hi, what)).collect();
