@@ -19,6 +19,13 @@ prompts that start with the same tokens share the same physical blocks::
     cache.insert(h, blocks)              # register the full blocks
     pool.free(blocks)                    # done: blocks stay cached until re-allocated
 
+While a sequence decodes, extend its hashes block by block instead of re-hashing
+the whole prefix (``prefix`` must end on a block boundary)::
+
+    h = cache.hash_blocks(tokens[:n_full * bs], salt="tenant-a")
+    h = cache.hash_blocks(tokens[n_full * bs : (n_full + 1) * bs], prefix=h)
+    cache.insert(h, seq_blocks)          # registers the newly full block
+
 Semantics (DESIGN.md §3):
 
 - ``BlockPool.num_blocks`` counts block 0, which is never handed out.

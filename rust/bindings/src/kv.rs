@@ -87,7 +87,9 @@ fn buffer_ints(obj: &Bound<'_, PyAny>, hi: i64, what: &str) -> PyResult<Vec<u32>
             let v: Vec<$t> = buf.as_typed::<$t>()?.to_vec(py)?;
             let ok = |x: $t| i64::try_from(x).is_ok_and(|x| (0..hi).contains(&x));
             if let Some(bad) = v.iter().copied().find(|&x| !ok(x)) {
-                return Err(PyValueError::new_err(format!("{what} {bad} is out of range 0..{hi}")));
+                return Err(PyValueError::new_err(format!(
+                    "{what} {bad} is out of range 0..{hi}"
+                )));
             }
             Ok(v.into_iter().map(|x| x as u32).collect())
         }};
@@ -261,6 +263,8 @@ pub struct PyBlockHashes {
     num_tokens: usize,
     root: u128,
     block_size: usize,
+    // Kept so that extending an empty prefix still salts the first block.
+    salt: Option<Vec<u8>>,
 }
 
 #[pymethods]
@@ -323,6 +327,54 @@ impl PyPrefixCache {
             num_tokens: toks.len(),
             root: hasher.root(),
             block_size: bs,
+            salt,
+        })
+    }
+
+    fn check_same_cache(&self, h: &PyBlockHashes) -> PyResult<()> {
+        if h.root != self.hasher.root() || h.block_size != self.block_size {
+            return Err(PyValueError::new_err(
+                "these BlockHashes come from a different PrefixCache",
+            ));
+        }
+        Ok(())
+    }
+
+    /// `prefix` followed by `tokens` (the prefix must end on a block boundary).
+    fn extend(
+        &self,
+        py: Python<'_>,
+        prefix: &PyBlockHashes,
+        tokens: &Bound<'_, PyAny>,
+    ) -> PyResult<PyBlockHashes> {
+        self.check_same_cache(prefix)?;
+        let bs = self.block_size;
+        if prefix.num_tokens % bs != 0 {
+            return Err(PyValueError::new_err(format!(
+                "prefix covers {} tokens, not a whole number of {bs}-token blocks",
+                prefix.num_tokens
+            )));
+        }
+        let toks = int_seq(tokens, TOKEN_LIMIT, "token id")?;
+        let hasher = self.hasher;
+        let run = || match prefix.hashes.last() {
+            Some(&parent) => hasher.extend(parent, &toks, bs),
+            None => hasher.hash_blocks(&toks, bs, prefix.salt.as_deref()),
+        };
+        let more = if toks.len() >= DETACH_MIN_TOKENS {
+            py.detach(run)
+        } else {
+            run()
+        };
+        let mut hashes = Vec::with_capacity(prefix.hashes.len() + more.len());
+        hashes.extend_from_slice(&prefix.hashes);
+        hashes.extend(more);
+        Ok(PyBlockHashes {
+            hashes,
+            num_tokens: prefix.num_tokens + toks.len(),
+            root: prefix.root,
+            block_size: bs,
+            salt: prefix.salt.clone(),
         })
     }
 
@@ -341,11 +393,7 @@ impl PyPrefixCache {
                     "salt is already part of these BlockHashes",
                 ));
             }
-            if h.root != self.hasher.root() || h.block_size != self.block_size {
-                return Err(PyValueError::new_err(
-                    "these BlockHashes come from a different PrefixCache",
-                ));
-            }
+            self.check_same_cache(h)?;
             return Ok(f(&h.hashes, h.num_tokens));
         }
         let h = self.compute(py, tokens, salt)?;
@@ -389,14 +437,21 @@ impl PyPrefixCache {
         self.block_size
     }
 
-    #[pyo3(signature = (tokens, salt=None))]
+    #[pyo3(signature = (tokens, salt=None, *, prefix=None))]
     fn hash_blocks(
         &self,
         py: Python<'_>,
         tokens: &Bound<'_, PyAny>,
         salt: Option<&Bound<'_, PyAny>>,
+        prefix: Option<&Bound<'_, PyBlockHashes>>,
     ) -> PyResult<PyBlockHashes> {
-        self.compute(py, tokens, salt)
+        match prefix {
+            None => self.compute(py, tokens, salt),
+            Some(_) if salt.is_some_and(|s| !s.is_none()) => Err(PyValueError::new_err(
+                "salt is already part of the prefix BlockHashes",
+            )),
+            Some(p) => self.extend(py, p.get(), tokens),
+        }
     }
 
     #[pyo3(signature = (tokens, salt=None))]

@@ -117,9 +117,42 @@ impl ChainHasher {
         let h = BlockHash::from_digest(xxh3_128(&first));
         parent = h.get();
         out.push(h);
-        // Blocks 1..: parent | tokens, written in place into one fixed buffer.
+        self.chain(
+            parent,
+            &tokens[block_size..n * block_size],
+            block_size,
+            &mut out,
+        );
+        out
+    }
+
+    /// Continues a chain: the hashes of the full blocks of `tokens`, which
+    /// follow the block whose hash is `parent` (the salt is already in it).
+    ///
+    /// ```
+    /// use cairn_kv::ChainHasher;
+    /// let h = ChainHasher::from_seed(1);
+    /// let all = h.hash_blocks(&[1, 2, 3, 4, 5, 6], 2, Some(b"s"));
+    /// let head = h.hash_blocks(&[1, 2], 2, Some(b"s"));
+    /// assert_eq!(h.extend(head[0], &[3, 4, 5, 6], 2), all[1..]);
+    /// ```
+    pub fn extend(&self, parent: BlockHash, tokens: &[u32], block_size: usize) -> Vec<BlockHash> {
+        assert!(block_size > 0, "block_size must be at least 1");
+        let n = tokens.len() / block_size;
+        let mut out = Vec::with_capacity(n);
+        self.chain(
+            parent.get(),
+            &tokens[..n * block_size],
+            block_size,
+            &mut out,
+        );
+        out
+    }
+
+    /// Blocks after the first: parent | tokens, written in place into one buffer.
+    fn chain(&self, mut parent: u128, tokens: &[u32], block_size: usize, out: &mut Vec<BlockHash>) {
         let mut buf = vec![0u8; 16 + 4 * block_size];
-        for block in tokens[block_size..n * block_size].chunks_exact(block_size) {
+        for block in tokens.chunks_exact(block_size) {
             buf[..16].copy_from_slice(&parent.to_le_bytes());
             for (dst, t) in buf[16..].chunks_exact_mut(4).zip(block) {
                 dst.copy_from_slice(&t.to_le_bytes());
@@ -128,6 +161,5 @@ impl ChainHasher {
             parent = h.get();
             out.push(h);
         }
-        out
     }
 }
