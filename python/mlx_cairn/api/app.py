@@ -30,7 +30,11 @@ from mlx_cairn.errors import CairnError
 log = logging.getLogger("mlx_cairn.api")
 
 #: Dialect modules served by every app, in lookup order.
-DIALECT_MODULES: list[str] = ["mlx_cairn.api.anthropic"]
+DIALECT_MODULES: list[str] = [
+    "mlx_cairn.api.anthropic",
+    "mlx_cairn.api.openai_chat",
+    "mlx_cairn.api.openai_responses",
+]
 
 _HTTP_KINDS = {404: "not_found", 405: "invalid_request", 413: "too_large"}
 
