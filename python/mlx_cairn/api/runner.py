@@ -32,7 +32,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import orjson
@@ -78,13 +78,25 @@ async def start_generation(
         context = getattr(sm.loaded, "context_length", None)
         if not clamp_max_tokens or not context:
             raise
-        room = int(context) - await asyncio.to_thread(engine.count_tokens, chat)
+        room = int(context) - await asyncio.to_thread(count_prompt_tokens, sm, chat)
         if room < 1 or room >= chat.max_tokens:
             raise
         chat.max_tokens = room
         prepared = await asyncio.to_thread(engine.prepare, chat)
     stream = engine.submit(prepared)  # QueueFull at once when the queue is full
     return Generation(stream, int(prepared.num_prompt_tokens), sm)
+
+
+def count_prompt_tokens(sm: ServedModel, chat: ChatRequest) -> int:
+    """Prompt tokens of ``chat`` (== usage.input_tokens), even when it exceeds the context.
+
+    A conversation longer than the context still has a size, and clients use
+    it to decide when to compact; it is the prompt the engine would build.
+    """
+    try:
+        return int(sm.engine.count_tokens(replace(chat, max_tokens=1)))
+    except ContextLengthExceeded:
+        return len(sm.loaded.prompt(chat).ids)
 
 
 class _Disconnected(Exception):
