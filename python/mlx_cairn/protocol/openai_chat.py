@@ -39,9 +39,11 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from mlx_cairn.errors import InvalidRequest
 from mlx_cairn.protocol.base import WireEvent
 from mlx_cairn.protocol.openai_common import (
     TextGate,
+    cache_salt,
     content_text,
     error_body,
     fail,
@@ -93,7 +95,7 @@ class OpenAIChatRequest:
 def parse_chat_request(body: Any, *, max_tokens_limit: int) -> OpenAIChatRequest:
     """Validate a ``POST /v1/chat/completions`` body and map it to a ChatRequest."""
     if not isinstance(body, dict):
-        raise fail("body", "request body must be a JSON object")
+        raise InvalidRequest("request body must be a JSON object")
     model = body.get("model")
     if model is None:
         raise fail("model", "field required")
@@ -150,6 +152,7 @@ def parse_chat_request(body: Any, *, max_tokens_limit: int) -> OpenAIChatRequest
         tools=tools_for_choice(tools, choice),
         tool_choice=choice if tools else None,
         reasoning=reasoning_switch(body.get("reasoning_effort"), "reasoning_effort"),
+        cache_salt=cache_salt(body),
     )
     return OpenAIChatRequest(chat, model, stream, include_usage, open_ended)
 

@@ -174,6 +174,16 @@ def stop_list(raw: Any, param: str = "stop") -> list[str]:
     return list(items)
 
 
+def cache_salt(body: dict[str, Any]) -> str | None:
+    """``cache_salt`` (as in vLLM): requests with different salts share no cached prefix."""
+    v = body.get("cache_salt")
+    if v is None:
+        return None
+    if not isinstance(v, str) or not v:
+        raise fail("cache_salt", "must be a non-empty string")
+    return v
+
+
 def reasoning_switch(effort: Any, param: str) -> bool | None:
     """``reasoning_effort`` -> the model's reasoning switch (None: model default)."""
     if effort is None:

@@ -27,8 +27,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from mlx_cairn.errors import CairnError
+from mlx_cairn.errors import CairnError, InvalidRequest
 from mlx_cairn.protocol.openai_common import (
+    cache_salt,
     content_text,
     fail,
     function_tool,
@@ -79,7 +80,7 @@ def parse_responses_request(
 ) -> ResponsesRequest:
     """Validate a ``POST /v1/responses`` body and map it to a ChatRequest."""
     if not isinstance(body, dict):
-        raise fail("body", "request body must be a JSON object")
+        raise InvalidRequest("request body must be a JSON object")
     model = body.get("model")
     if model is None:
         raise fail("model", "field required")
@@ -135,6 +136,7 @@ def parse_responses_request(
         tools=tools_for_choice(tools, choice),
         tool_choice=choice if tools else None,
         reasoning=reasoning_switch(effort, "reasoning.effort"),
+        cache_salt=cache_salt(body),
     )
     raw_choice = body.get("tool_choice")
     echo = {
