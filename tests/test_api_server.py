@@ -544,3 +544,42 @@ def test_billing_header_nonce_does_not_break_prefix_reuse(cc_server: str) -> Non
     r = httpx.post(cc_server + "/v1/messages", json=b, headers=CC_HEADERS, timeout=30)
     assert r.headers["x-session-cache"] == "prefix_hit"
     assert r.json()["usage"]["cache_read_input_tokens"] > 200
+
+
+class _FailOnce:
+    """Fault hook: lets ``skip`` steps through, then fails one step."""
+
+    def __init__(self, skip: int) -> None:
+        self.left = skip
+
+    def __call__(self) -> None:
+        self.left -= 1
+        if self.left == -1:
+            raise RuntimeError("injected failure")
+
+
+def test_failure_mid_stream_ends_with_an_error_event(env: dict[str, Any]) -> None:
+    eng = env["engines"]["scripted"]
+    saved = eng._fault_hook
+    try:
+        eng._fault_hook = _FailOnce(skip=3)  # prefill + a couple of tokens, then fail
+        r = post(env, body(say("a b c d e f g h i j k l m n o p"), stream=True, max_tokens=100))
+        events = sse_events(r.text)
+        names = [n for n, _ in events]
+        assert names[0] == "message_start" and "content_block_delta" in names
+        assert names[-1] == "error" and "message_stop" not in names
+        assert events[-1][1]["error"]["type"] == "api_error"
+
+        eng._fault_hook = _FailOnce(skip=0)
+        r = post(env, body(say("x y z"), max_tokens=100))
+        assert "injected failure" in assert_envelope(r, 500, "api_error")
+    finally:
+        eng._fault_hook = saved
+    assert post(env, body()).status_code == 200  # the next request is fine
+    assert_at_rest(eng)
+
+
+def test_models_listing_shapes(env: dict[str, Any]) -> None:
+    client = anthropic.Anthropic(base_url=env["url"], api_key=TOKEN, max_retries=0)
+    ids = [m.id for m in client.models.list()]
+    assert "scripted" in ids and "tight" in ids
