@@ -24,6 +24,7 @@ from mlx_cairn.api import ModelRegistry, ServerConfig, create_app
 from mlx_cairn.api.server import ServeError, add_arguments, build
 from mlx_cairn.engine import Engine
 from mlx_cairn.engine.testing import assert_at_rest
+from mlx_cairn.protocol.anthropic import TITLE_MAX_TOKENS
 from scripted_model import say, scripted_model
 
 TOKEN = "s3cret-token"
@@ -529,7 +530,7 @@ def test_title_requests_are_capped(cc_server: str) -> None:
     b["messages"][0]["content"] = say("word " * 100)
     r = httpx.post(cc_server + "/v1/messages", json=b, headers=CC_HEADERS, timeout=30).json()
     assert r["stop_reason"] == "max_tokens"
-    assert r["usage"]["output_tokens"] == 64
+    assert r["usage"]["output_tokens"] == TITLE_MAX_TOKENS
 
 
 def test_billing_header_nonce_does_not_break_prefix_reuse(cc_server: str) -> None:

@@ -33,7 +33,7 @@ from mlx_cairn.types import ChatRequest, Message, SamplingParams, Tool, ToolCall
 
 BILLING_HEADER_PREFIX = "x-anthropic-billing-header:"
 #: Token cap for Claude Code's session-title requests.
-TITLE_MAX_TOKENS = 64
+TITLE_MAX_TOKENS = 48
 MAX_STOP_SEQUENCES = 64
 MAX_STOP_SEQUENCE_CHARS = 1024
 _MEDIA_PLACEHOLDER = "[{kind} omitted: this model reads text only]"
