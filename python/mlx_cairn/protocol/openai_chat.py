@@ -42,6 +42,7 @@ from typing import Any
 from mlx_cairn.errors import InvalidRequest
 from mlx_cairn.protocol.base import WireEvent
 from mlx_cairn.protocol.openai_common import (
+    CallIds,
     TextGate,
     cache_salt,
     content_text,
@@ -277,6 +278,7 @@ class ChatCodec:
         self._role_sent = False
         self._calls = 0
         self._gate = TextGate()
+        self._call_ids = CallIds()
 
     def open(self) -> list[WireEvent]:
         """Nothing: the role rides on the first delta."""
@@ -320,7 +322,7 @@ class ChatCodec:
             self._gate.drop()
             i = self._calls
             self._calls += 1
-            call_id = ev.id if ev.id.startswith("call_") else new_id("call_")
+            call_id = self._call_ids.take(ev.id)
             head = {
                 "index": i,
                 "id": call_id,

@@ -71,6 +71,21 @@ def new_id(prefix: str, n: int = 24) -> str:
     return prefix + "".join(secrets.choice(_ALNUM) for _ in range(n))
 
 
+class CallIds:
+    """``call_`` ids for one response: the engine's id when it is a fresh
+    ``call_...``, else a new random one (ids never repeat within a response)."""
+
+    def __init__(self) -> None:
+        self._used: set[str] = set()
+
+    def take(self, engine_id: str) -> str:
+        cid = engine_id if engine_id.startswith("call_") else ""
+        while not cid or cid in self._used:
+            cid = new_id("call_")
+        self._used.add(cid)
+        return cid
+
+
 def error_type(status: int) -> str:
     """The OpenAI error ``type`` for an HTTP status."""
     return _STATUS_TYPES.get(status, "server_error" if status >= 500 else "invalid_request_error")
