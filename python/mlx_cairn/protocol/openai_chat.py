@@ -12,7 +12,8 @@ the field; unknown fields are ignored):
   (auto / none / required / a named function: only that function is shown);
 - ``stop`` (string or list), ``max_completion_tokens`` (wins) or
   ``max_tokens`` (absent: up to the end of the context), ``temperature``
-  (0..2), ``top_p``, ``seed``, ``reasoning_effort``; ``n`` other than 1 is a 400.
+  (0..2), ``top_p``, ``seed``, ``reasoning_effort``, ``cache_salt`` (as in
+  vLLM: different salts share no cached prefix); ``n`` other than 1 is a 400.
 
 Wire format of a stream (one request, one choice)::
 

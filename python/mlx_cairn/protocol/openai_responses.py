@@ -18,7 +18,8 @@ unknown fields are ignored. Mapping:
   auto / none / required / ``{"type": "function", "name": ...}``.
 - ``max_output_tokens`` (absent: up to the end of the context),
   ``temperature`` (0..2), ``top_p``, ``reasoning.effort``, ``store``
-  (default true), ``stream``, ``metadata`` (echoed).
+  (default true), ``stream``, ``metadata`` (echoed), ``cache_salt`` (as in
+  vLLM: different salts share no cached prefix).
 """
 
 from __future__ import annotations
