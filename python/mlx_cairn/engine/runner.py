@@ -57,16 +57,32 @@ class ModelRunner:
             h = self.model(tokens, cache)
             parts.append(self.model.logits(h[:, -1, :]))
             rows.extend(seqs)
-        for seq, n in plan.prefill:
-            start = seq.num_computed
-            if seq.inflight:
-                raise RuntimeError("a prefill chunk cannot include a token in flight")
-            tokens = mx.array([seq.tokens[start : start + n]], dtype=mx.int32)
-            cache = PagedKVCache(self.pools, [seq.block_ids], [start], n)
-            h = self.model(tokens, cache)
-            if start + n == seq.num_tokens:
-                parts.append(self.model.logits(h[:, -1, :]))
-                rows.append(seq)
+        for group in _prefill_groups(plan.prefill):
+            for seq, _ in group:
+                if seq.inflight:
+                    raise RuntimeError("a prefill chunk cannot include a token in flight")
+            width = max(n for _, n in group)
+            ids = [
+                seq.tokens[seq.num_computed : seq.num_computed + n] + [0] * (width - n)
+                for seq, n in group
+            ]
+            cache = PagedKVCache(
+                self.pools,
+                [seq.block_ids for seq, _ in group],
+                [seq.num_computed for seq, _ in group],
+                [n for _, n in group],
+            )
+            h = self.model(mx.array(ids, dtype=mx.int32), cache)
+            last = [
+                (b, n - 1)
+                for b, (seq, n) in enumerate(group)
+                if seq.num_computed + n == seq.num_tokens
+            ]
+            if last:
+                rows_idx = mx.array([b for b, _ in last], dtype=mx.int32)
+                cols_idx = mx.array([c for _, c in last], dtype=mx.int32)
+                parts.append(self.model.logits(h[rows_idx, cols_idx, :]))
+                rows.extend(group[b][0] for b, _ in last)
         sampled = None
         if rows:
             logits = parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=0)
@@ -98,6 +114,26 @@ class ModelRunner:
             return []
         values = step.sampled.tolist()
         return list(zip(step.rows, values, strict=True))
+
+
+def _prefill_groups(chunks: list[tuple[Sequence, int]]) -> list[list[tuple[Sequence, int]]]:
+    """Batch prefill chunks into forward calls, padding each to its longest chunk.
+
+    One call reads the weights once, so batching saves time as long as the
+    padding stays small: chunks are sorted by length and a group is cut when
+    padding would exceed a quarter of its real tokens.
+    """
+    groups: list[list[tuple[Sequence, int]]] = []
+    for seq, n in sorted(chunks, key=lambda c: -c[1]):
+        g = groups[-1] if groups else None
+        if g is not None:
+            width = g[0][1]
+            real = sum(m for _, m in g) + n
+            if (len(g) + 1) * width <= 1.25 * real + 16:
+                g.append((seq, n))
+                continue
+        groups.append([(seq, n)])
+    return groups
 
 
 def _token_at(seq: Sequence, pos: int) -> mx.array:
