@@ -584,3 +584,37 @@ def test_models_listing_shapes(env: dict[str, Any]) -> None:
     client = anthropic.Anthropic(base_url=env["url"], api_key=TOKEN, max_retries=0)
     ids = [m.id for m in client.models.list()]
     assert "scripted" in ids and "tight" in ids
+
+
+def test_stream_trailers_where_the_server_supports_them(env: dict[str, Any]) -> None:
+    from starlette.testclient import TestClient  # offers the http.response.trailers extension
+
+    system = "Trailers carry the cache figures of a stream. " * 30
+    b = body(say("ok then"), system=system, stream=True)
+    with TestClient(env["app"]) as client:
+        first = client.post("/v1/messages", json=b, headers=AUTH)
+        second = client.post("/v1/messages", json=b, headers=AUTH)
+    assert first.headers["x-session-cache"] == "streaming"
+    assert first.headers["trailer"] == "X-Session-Cache, X-Cached-Tokens"
+    t1 = dict(first.extensions["http.response.trailers"])
+    t2 = dict(second.extensions["http.response.trailers"])
+    assert t1[b"x-session-cache"] == b"fresh" and t1[b"x-cached-tokens"] == b"0"
+    assert t2[b"x-session-cache"] == b"prefix_hit" and int(t2[b"x-cached-tokens"]) > 0
+    delta = next(p for n, p in sse_events(second.text) if n == "message_delta")
+    assert delta["usage"]["cache_read_input_tokens"] == int(t2[b"x-cached-tokens"])
+    assert not second.text.rstrip("\n").split("\n")[-1].startswith(":")  # no comment fallback
+
+
+def test_count_tokens_does_not_wait_behind_generations(env: dict[str, Any]) -> None:
+    blocker = env["blockers"]["scripted"]
+    blocker.arm()
+    worker = threading.Thread(target=lambda: post(env, body(say("slow"))))
+    worker.start()
+    try:
+        assert blocker.entered.wait(10)  # the engine thread is busy with a step
+        ct = {"model": "scripted", "messages": [{"role": "user", "content": "how long?"}]}
+        r = post(env, ct, "/v1/messages/count_tokens")
+        assert r.status_code == 200 and r.json()["input_tokens"] > 0
+    finally:
+        blocker.release.set()
+        worker.join(10)

@@ -97,13 +97,13 @@ class ModelRegistry:
         self.aliases: dict[str, ServedModel] = {}
         self._glob_aliases: list[tuple[str, ServedModel]] = []
         for alias, target in (aliases or {}).items():
-            sm = self._by_name.get(target)
-            if sm is None:
+            found = self._by_name.get(target)
+            if found is None:
                 raise ValueError(f"alias {alias!r} points at {target!r}, which is not served")
             if any(c in alias for c in "*?["):
-                self._glob_aliases.append((alias, sm))
+                self._glob_aliases.append((alias, found))
             else:
-                self.aliases[alias] = sm
+                self.aliases[alias] = found
         self.default: ServedModel | None = None
         if default_model == "":
             self.default = self.models[0]

@@ -149,9 +149,8 @@ class GenerationResponse(Response):
         """The next Event, None on timeout; raises _Disconnected when the client left."""
         if self._pending is None:
             self._pending = asyncio.ensure_future(_anext(self._events))
-        done, _ = await asyncio.wait(
-            {self._pending, watcher}, timeout=timeout, return_when=asyncio.FIRST_COMPLETED
-        )
+        waiting: set[asyncio.Future[Any]] = {self._pending, watcher}
+        done, _ = await asyncio.wait(waiting, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
         if self._pending in done:
             fut, self._pending = self._pending, None
             ev = fut.result()

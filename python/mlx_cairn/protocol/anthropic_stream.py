@@ -98,7 +98,7 @@ class AnthropicCodec:
 
     def open(self) -> list[WireEvent]:
         """``message_start`` with the prompt's token count."""
-        message = {
+        message: dict[str, Any] = {
             "id": self.message_id,
             "type": "message",
             "role": "assistant",
