@@ -304,10 +304,9 @@ def json_object(text: str) -> bool:
 def tool_call_as_text(ev: ToolCall) -> str:
     """A tool call the request did not allow, as the text the model meant."""
     try:
-        args: Any = orjson.loads(ev.arguments)
-    except orjson.JSONDecodeError:
-        args = ev.arguments
-    return orjson.dumps({"name": ev.name, "arguments": args}).decode()
+        return orjson.dumps({"name": ev.name, "arguments": orjson.loads(ev.arguments)}).decode()
+    except (orjson.JSONDecodeError, TypeError):  # not JSON, or nested beyond orjson's limit
+        return orjson.dumps({"name": ev.name, "arguments": ev.arguments}).decode()
 
 
 class TextGate:

@@ -205,7 +205,8 @@ def parse_input(raw: Any, param: str = "input") -> list[Message]:
             raise fail(ip, "must be an object")
         kind = item.get("type", "message" if "role" in item else None)
         if kind == "message":
-            role = _ROLES.get(item.get("role"))  # type: ignore[arg-type]
+            raw_role = item.get("role")
+            role = _ROLES.get(raw_role) if isinstance(raw_role, str) else None
             if role is None:
                 raise fail(f"{ip}.role", f"unknown role {short(item.get('role'))}")
             text = content_text(item.get("content"), f"{ip}.content", _TEXT_PARTS)
