@@ -94,6 +94,24 @@ BAD = [
         ),
         "messages[0].content[0].input",
     ),
+    (
+        base(
+            messages=[
+                {
+                    "role": "assistant",
+                    "content": [
+                        {
+                            "type": "tool_use",
+                            "id": "t",
+                            "name": "f",
+                            "input": {"a": json.loads("[" * 300 + "]" * 300)},
+                        }
+                    ],
+                }
+            ]
+        ),
+        "messages[0].content[0].input",
+    ),
     (base(system=5), "system"),
     (base(system=[{"type": "image"}]), "system[0].type"),
     (base(tools=[{"name": "f"}]), "tools[0].input_schema"),
@@ -373,3 +391,11 @@ def test_sdk_accumulated_stream_equals_fold(events: list[Any], show: bool, reaso
     folded["usage"].pop("timings")  # only in the final usage, which the SDK copies by field
     assert streamed.pop("stop_details", None) is None
     assert streamed == folded
+
+
+def test_unserializable_tool_arguments_come_back_as_text() -> None:
+    deep = "[" * 400 + "]" * 400
+    for args in ("not json", "[1, 2]", '{"a": ' + deep + "}"):
+        msg = fold_events(run(codec(), [ToolCall("t", "f", args), DONE]))
+        assert [b["type"] for b in msg["content"]] == ["text"]
+        assert json.loads(msg["content"][0]["text"])["name"] == "f"

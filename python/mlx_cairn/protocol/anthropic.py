@@ -251,7 +251,11 @@ def _map_tool_use(block: dict[str, Any], bp: str) -> ToolCall:
         raise _fail(f"{bp}.name", "must be a non-empty string")
     if not isinstance(args, dict):
         raise _fail(f"{bp}.input", "must be an object")
-    return ToolCall(tid, name, orjson.dumps(args).decode())
+    try:
+        arguments = orjson.dumps(args).decode()
+    except TypeError:  # nested deeper than orjson writes
+        raise _fail(f"{bp}.input", "is nested too deeply") from None
+    return ToolCall(tid, name, arguments)
 
 
 def _map_user(
