@@ -35,7 +35,6 @@ import logging
 from dataclasses import dataclass, replace
 from typing import Any
 
-import orjson
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
@@ -43,7 +42,7 @@ from mlx_cairn.api.dialects import Dialect, error_response
 from mlx_cairn.api.metrics import observe_event
 from mlx_cairn.api.registry import ServedModel
 from mlx_cairn.errors import ContextLengthExceeded
-from mlx_cairn.protocol.base import Codec, WireEvent, encode
+from mlx_cairn.protocol.base import Codec, WireEvent, encode, json_bytes
 from mlx_cairn.protocol.sse import comment
 from mlx_cairn.types import ChatRequest, Done, Error, Event
 
@@ -239,7 +238,7 @@ class GenerationResponse(Response):
             wire += self.codec.feed(ev)
             if isinstance(ev, Done):
                 break
-        body = orjson.dumps(self.codec.fold(wire))
+        body = json_bytes(self.codec.fold(wire))
         cached = ev.usage.cached_tokens
         headers = [
             (b"content-type", b"application/json"),

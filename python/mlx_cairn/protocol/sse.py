@@ -7,6 +7,7 @@ the payload, a blank line at the end (:mod:`mlx_cairn.sse`).
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import orjson
@@ -16,7 +17,13 @@ from mlx_cairn.sse import encode_comment, encode_event
 
 def frame(event: str | None, payload: Any) -> bytes:
     """One SSE frame; ``payload`` is JSON-encoded unless it is already a str."""
-    data = payload if isinstance(payload, str) else orjson.dumps(payload)
+    if isinstance(payload, str):
+        data: str | bytes = payload
+    else:
+        try:
+            data = orjson.dumps(payload)
+        except TypeError:  # nested past orjson's limit: the stdlib encoder goes deeper
+            data = json.dumps(payload, ensure_ascii=False, separators=(",", ":"))
     return encode_event(event, data)
 
 
