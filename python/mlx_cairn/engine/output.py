@@ -14,12 +14,8 @@ import secrets
 from typing import Any
 
 from mlx_cairn.engine.sequence import PreparedRequest
+from mlx_cairn.text import TextPipeline
 from mlx_cairn.types import Event, ReasoningDelta, TextDelta, ToolCall
-
-try:  # the Rust text pipeline
-    from mlx_cairn.text import TextPipeline  # type: ignore[attr-defined]
-except ImportError:  # pragma: no cover - only while the extension lacks it
-    TextPipeline = None
 
 
 class SequenceOutput:
@@ -27,14 +23,12 @@ class SequenceOutput:
 
     def __init__(self, tokenizer: Any, prepared: PreparedRequest) -> None:
         self._detok = tokenizer.detokenizer()
-        self._pipeline: Any = None
-        if TextPipeline is not None:
-            self._pipeline = TextPipeline(
-                list(prepared.request.stop),
-                family=prepared.parser_family,
-                reasoning=prepared.reasoning,
-                starts_in_reasoning=prepared.in_reasoning and prepared.reasoning,
-            )
+        self._pipeline = TextPipeline(
+            list(prepared.request.stop),
+            family=prepared.parser_family,
+            reasoning=prepared.reasoning,
+            starts_in_reasoning=prepared.in_reasoning and prepared.reasoning,
+        )
         self.saw_tool_call = False
 
     def push(self, token_id: int) -> tuple[list[Event], str | None]:
@@ -50,8 +44,6 @@ class SequenceOutput:
         return events
 
     def _feed(self, text: str, *, final: bool) -> tuple[list[Event], str | None]:
-        if self._pipeline is None:
-            return ([TextDelta(text)] if text else []), None
         segments, matched = self._pipeline.push(text) if text else ([], None)
         if final and matched is None:
             segments = [*segments, *self._pipeline.flush()]
