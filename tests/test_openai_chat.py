@@ -493,3 +493,36 @@ def test_failure_mid_generation(env: dict[str, Any]) -> None:
     r = post(env, {**body, "stream": False})
     assert_openai_error(r, 500, "server_error")
     assert_at_rest(eng)
+
+
+@pytest.mark.slow
+def test_default_model_free_text(default_model: Any) -> None:
+    """The real SmolLM2: free text streams and folds to the same completion / response."""
+    from live_server import registry_for, serve
+
+    from mlx_cairn.engine import Engine
+
+    eng = Engine(default_model, num_blocks=160, max_queue=4)
+    try:
+        with serve(registry_for({"smol": eng})) as srv:
+            c = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+            for prompt in ("What is the capital of France?", "Write one word about the sea."):
+                streamed, plain = both(
+                    c, model="smol", temperature=0, max_completion_tokens=12, messages=user(prompt)
+                )
+                assert normalize(streamed) == normalize(plain)
+                assert plain.choices[0].message.content
+            kw: dict[str, Any] = {"model": "smol", "temperature": 0, "max_output_tokens": 12}
+            with c.responses.stream(
+                input="Name a colour.", extra_body={"cache_salt": "a"}, **kw
+            ) as s:
+                events = list(s)
+            final = [e for e in events if e.type in ("response.completed", "response.incomplete")]
+            plain_r = c.responses.create(
+                input="Name a colour.", extra_body={"cache_salt": "b"}, **kw
+            )
+            assert normalize(final[-1].response) == normalize(plain_r) and plain_r.output_text
+            c.close()
+        assert_at_rest(eng)
+    finally:
+        eng.close()
