@@ -31,9 +31,8 @@ from mlx_cairn.types import (
     Usage,
 )
 
-FIXTURES = Path(__file__).resolve().parents[2] / "shared" / "fixtures" / "claude-code"
-if not FIXTURES.is_dir():  # the fixtures live beside the repository on the project machine
-    FIXTURES = Path("/work/shared/fixtures/claude-code")
+#: Claude Code request bodies (tests/fixtures/claude-code/README.md).
+FIXTURES = Path(__file__).parent / "fixtures" / "claude-code"
 
 
 def base(**kw: Any) -> dict[str, Any]:

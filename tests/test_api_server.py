@@ -29,7 +29,7 @@ from scripted_model import say, scripted_model
 
 TOKEN = "s3cret-token"
 AUTH = {"x-api-key": TOKEN, "anthropic-version": "2023-06-01"}
-FIXTURES = Path("/work/shared/fixtures/claude-code")
+FIXTURES = Path(__file__).parent / "fixtures" / "claude-code"
 
 
 class Blocker:
