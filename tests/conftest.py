@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 
+import pytest
 from hypothesis import HealthCheck, settings
 
 import mlx_cairn  # noqa: F401  (loads the optimized BLAS before any test imports mlx)
@@ -15,3 +16,11 @@ settings.register_profile(
     suppress_health_check=[HealthCheck.too_slow],
 )
 settings.load_profile("cairn")
+
+
+@pytest.fixture(scope="session")
+def default_model():
+    """The embedded SmolLM2 GGUF, loaded once per session (tests using it are marked slow)."""
+    from mlx_cairn.models import load
+
+    return load()

@@ -44,6 +44,23 @@ def _cmd_serve(args: argparse.Namespace) -> int:
 _SUBCOMMANDS.append(_add_serve)
 
 
+def _add_generate(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("generate", help="stream one chat answer to the terminal")
+    from mlx_cairn.chat.generate_cli import add_arguments
+
+    add_arguments(p)
+    p.set_defaults(func=_cmd_generate)
+
+
+def _cmd_generate(args: argparse.Namespace) -> int:
+    from mlx_cairn.chat.generate_cli import run
+
+    return run(args)
+
+
+_SUBCOMMANDS.append(_add_generate)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the `cairn` console script."""
     args = _build_parser().parse_args(argv)

@@ -22,6 +22,7 @@ from starlette.responses import Response
 from mlx_cairn import __version__
 from mlx_cairn.api.auth import Gate, is_authenticated, token_digest
 from mlx_cairn.api.dialects import DialectSet, error_response, response_for
+from mlx_cairn.api.metrics import install as install_metrics
 from mlx_cairn.api.registry import ModelRegistry
 from mlx_cairn.api.state import AppState, ServerConfig, app_state, json_response
 from mlx_cairn.errors import CairnError
@@ -29,7 +30,11 @@ from mlx_cairn.errors import CairnError
 log = logging.getLogger("mlx_cairn.api")
 
 #: Dialect modules served by every app, in lookup order.
-DIALECT_MODULES: list[str] = ["mlx_cairn.api.anthropic"]
+DIALECT_MODULES: list[str] = [
+    "mlx_cairn.api.anthropic",
+    "mlx_cairn.api.openai_chat",
+    "mlx_cairn.api.openai_responses",
+]
 
 _HTTP_KINDS = {404: "not_found", 405: "invalid_request", 413: "too_large"}
 
@@ -77,6 +82,7 @@ def create_app(registry: ModelRegistry, config: ServerConfig | None = None) -> F
 
     # Outermost: every route, present and future, is behind the gate.
     app.add_middleware(Gate, dialects=dialects, digest=digest, max_body_bytes=config.max_body_bytes)
+    install_metrics(app)  # GET /metrics (behind the gate) + a request counter around everything
     return app
 
 

@@ -1,0 +1,67 @@
+"""The OpenAI Chat Completions dialect: ``POST /v1/chat/completions``.
+
+This dialect is the ``shared_default``: ``GET /v1/models`` and unknown paths
+answer in the OpenAI shape unless the request carries ``anthropic-version``.
+Request mapping and wire format: :mod:`mlx_cairn.protocol.openai_chat`.
+"""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, Request
+from starlette.responses import Response
+
+from mlx_cairn.api.dialects import Dialect
+from mlx_cairn.api.registry import ServedModel
+from mlx_cairn.api.runner import Generation, GenerationResponse, start_generation
+from mlx_cairn.api.state import app_state, read_json
+from mlx_cairn.protocol.openai_chat import ChatCodec, parse_chat_request
+from mlx_cairn.protocol.openai_common import error_body, models_body, status_for_kind
+from mlx_cairn.types import ChatRequest
+
+DIALECT = Dialect(
+    name="openai-chat",
+    prefixes=("/v1/chat/completions",),
+    error_body=error_body,
+    models_body=models_body,
+    shared_default=True,
+    status_for_kind=status_for_kind,
+)
+
+router = APIRouter()
+
+
+async def start_open_ended(
+    sm: ServedModel, chat: ChatRequest, *, open_ended: bool, clamp: bool
+) -> Generation:
+    """Submit ``chat``; without a token cap it may run to the end of the context."""
+    if open_ended:
+        context = getattr(sm.engine, "context_length", None) or getattr(
+            sm.loaded, "context_length", None
+        )
+        if context:
+            chat.max_tokens = min(chat.max_tokens, int(context))
+    return await start_generation(sm, chat, clamp_max_tokens=clamp or open_ended)
+
+
+@router.post("/v1/chat/completions")
+async def create_chat_completion(request: Request) -> Response:
+    """Chat Completions: SSE chunks when ``stream`` is true, else one JSON completion."""
+    state = app_state(request)
+    req = parse_chat_request(
+        await read_json(request), max_tokens_limit=state.config.max_tokens_limit
+    )
+    sm = await state.registry.get(req.model)
+    gen = await start_open_ended(
+        sm, req.chat, open_ended=req.open_ended, clamp=state.config.clamp_max_tokens
+    )
+    chat = req.chat
+    codec = ChatCodec(
+        model=sm.name,
+        input_tokens=gen.input_tokens,
+        # A JSON body is the fold of the stream that reports usage.
+        include_usage=req.include_usage or not req.stream,
+        allow_tools=bool(chat.tools) and chat.tool_choice != "none",
+    )
+    return GenerationResponse(
+        gen, codec, stream=req.stream, dialect=DIALECT, ping_interval=state.config.ping_interval
+    )

@@ -1,0 +1,179 @@
+"""The OpenAI Responses dialect: ``POST /v1/responses``, ``GET`` / ``DELETE /v1/responses/{id}``.
+
+Stored responses (``store`` true, the default) live in memory in a bounded
+:class:`ResponseStore`, one per app, so that ``previous_response_id`` can
+continue a conversation:
+
+- at most :data:`MAX_STORED_RESPONSES` (1000) responses; storing one more
+  drops the oldest;
+- each for at most :data:`STORED_RESPONSE_TTL_S` (3600 s, one hour) after it
+  was stored; an older one is gone;
+- an unknown, expired or deleted id is a 404 ``not_found_error`` naming
+  ``previous_response_id``; ``store: false`` keeps nothing;
+- only responses that finished (completed, or incomplete at
+  ``max_output_tokens``) are stored; nothing survives a restart.
+
+Request mapping: :mod:`mlx_cairn.protocol.openai_responses`; wire format:
+:mod:`mlx_cairn.protocol.openai_responses_stream`.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from fastapi import APIRouter, Request
+from starlette.responses import Response
+
+from mlx_cairn.api.dialects import Dialect
+from mlx_cairn.api.openai_chat import start_open_ended
+from mlx_cairn.api.runner import GenerationResponse
+from mlx_cairn.api.state import app_state, json_response, read_json
+from mlx_cairn.protocol.openai_common import error_body, models_body, status_for_kind
+from mlx_cairn.protocol.openai_responses import (
+    ResponseNotFound,
+    parse_input,
+    parse_responses_request,
+)
+from mlx_cairn.protocol.openai_responses_stream import ResponsesCodec
+from mlx_cairn.types import Message
+
+#: Most responses kept for ``previous_response_id`` (the oldest goes first).
+MAX_STORED_RESPONSES = 1000
+#: Seconds a stored response stays available.
+STORED_RESPONSE_TTL_S = 3600.0
+
+DIALECT = Dialect(
+    name="openai-responses",
+    prefixes=("/v1/responses",),
+    error_body=error_body,
+    models_body=models_body,
+    status_for_kind=status_for_kind,
+)
+
+router = APIRouter()
+
+
+@dataclass(slots=True)
+class StoredResponse:
+    """One finished response: its conversation (input + output) and its body."""
+
+    messages: list[Message]
+    body: dict[str, Any]
+    stored_at: float
+
+
+class ResponseStore:
+    """Finished responses by id, bounded by count and age (see the module doc)."""
+
+    def __init__(
+        self,
+        max_items: int = MAX_STORED_RESPONSES,
+        ttl_s: float = STORED_RESPONSE_TTL_S,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        if max_items < 1 or ttl_s <= 0:
+            raise ValueError("the response store needs max_items >= 1 and ttl_s > 0")
+        self.max_items = max_items
+        self.ttl_s = ttl_s
+        self.clock = clock
+        self._items: OrderedDict[str, StoredResponse] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def __len__(self) -> int:
+        with self._lock:
+            self._expire()
+            return len(self._items)
+
+    def _expire(self) -> None:
+        cutoff = self.clock() - self.ttl_s
+        while self._items:
+            rid, first = next(iter(self._items.items()))
+            if first.stored_at > cutoff:
+                break
+            del self._items[rid]
+
+    def put(self, rid: str, messages: list[Message], body: dict[str, Any]) -> None:
+        """Keep a finished response; the oldest ones go beyond ``max_items``."""
+        with self._lock:
+            self._expire()
+            self._items[rid] = StoredResponse(messages, body, self.clock())
+            self._items.move_to_end(rid)
+            while len(self._items) > self.max_items:
+                self._items.popitem(last=False)
+
+    def get(self, rid: str, param: str | None = None) -> StoredResponse:
+        """The stored response ``rid``; ResponseNotFound (404) if unknown or expired."""
+        with self._lock:
+            self._expire()
+            hit = self._items.get(rid)
+        if hit is None:
+            raise ResponseNotFound(
+                f"response {rid!r} not found (unknown, expired after "
+                f"{self.ttl_s:g}s, or evicted beyond {self.max_items} stored responses)",
+                param=param,
+            )
+        return hit
+
+    def delete(self, rid: str) -> None:
+        """Forget ``rid`` (ResponseNotFound if it is not there)."""
+        self.get(rid)
+        with self._lock:
+            self._items.pop(rid, None)
+
+
+def response_store(request: Request) -> ResponseStore:
+    """The app's store, created on first use."""
+    store = getattr(request.app.state, "openai_responses", None)
+    if store is None:
+        store = request.app.state.openai_responses = ResponseStore()
+    return store  # type: ignore[no-any-return]
+
+
+@router.post("/v1/responses")
+async def create_response(request: Request) -> Response:
+    """Responses: SSE events when ``stream`` is true, else one JSON Response."""
+    state = app_state(request)
+    store = response_store(request)
+    req = parse_responses_request(
+        await read_json(request),
+        max_tokens_limit=state.config.max_tokens_limit,
+        lookup=lambda rid: store.get(rid, "previous_response_id").messages,
+    )
+    sm = await state.registry.get(req.model)
+    gen = await start_open_ended(
+        sm, req.chat, open_ended=req.open_ended, clamp=state.config.clamp_max_tokens
+    )
+    history = req.history
+
+    def keep(body: dict[str, Any]) -> None:
+        store.put(body["id"], history + parse_input(body["output"], "output"), body)
+
+    chat = req.chat
+    codec = ResponsesCodec(
+        model=sm.name,
+        input_tokens=gen.input_tokens,
+        allow_tools=bool(chat.tools) and chat.tool_choice != "none",
+        echo=req.echo,
+        on_finish=keep if req.store else None,
+    )
+    return GenerationResponse(
+        gen, codec, stream=req.stream, dialect=DIALECT, ping_interval=state.config.ping_interval
+    )
+
+
+@router.get("/v1/responses/{response_id}")
+async def get_response(request: Request, response_id: str) -> Response:
+    """A stored response, as it was returned."""
+    return json_response(response_store(request).get(response_id).body)
+
+
+@router.delete("/v1/responses/{response_id}")
+async def delete_response(request: Request, response_id: str) -> Response:
+    """Forget a stored response."""
+    response_store(request).delete(response_id)
+    return json_response({"id": response_id, "object": "response", "deleted": True})

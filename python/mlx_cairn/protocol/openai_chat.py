@@ -1,0 +1,424 @@
+"""OpenAI Chat Completions: request bodies -> ChatRequest, Events -> chunks, fold.
+
+Request mapping (validated before any model work, each failure a 400 naming
+the field; unknown fields are ignored):
+
+- roles ``system`` / ``developer`` (both become system turns), ``user``,
+  ``assistant`` (``content``, ``tool_calls`` with JSON-string arguments,
+  ``reasoning_content`` from an earlier turn) and ``tool`` (``tool_call_id``);
+- content as a string or parts (``text``; images/audio/files become a short
+  placeholder: the models served here read text only);
+- ``tools`` (function tools; other types are skipped) and ``tool_choice``
+  (auto / none / required / a named function: only that function is shown);
+- ``stop`` (string or list), ``max_completion_tokens`` (wins) or
+  ``max_tokens`` (absent: up to the end of the context), ``temperature``
+  (0..2), ``top_p``, ``seed``, ``reasoning_effort``, ``cache_salt`` (as in
+  vLLM: different salts share no cached prefix); ``n`` other than 1 is a 400.
+
+Wire format of a stream (one request, one choice)::
+
+    {"choices":[{"delta":{"role":"assistant","content":<first text or null>,...}}]}
+    {"choices":[{"delta":{"content":"..."}}]}                     text
+    {"choices":[{"delta":{"reasoning_content":"..."}}]}           reasoning
+    {"choices":[{"delta":{"tool_calls":[{"index":i,"id":"call_...","type":"function",
+                 "function":{"name":...,"arguments":""}}]}}]}     once per call, then
+    {"choices":[{"delta":{"tool_calls":[{"index":i,"function":{"arguments":"{...}"}}]}}]}
+    {"choices":[{"delta":{},"finish_reason":"stop"|"length"|"tool_calls"}]}
+    {"choices":[],"usage":{...}}                                  when include_usage
+    [DONE]
+
+A failure after the first byte is one ``{"error": {...}}`` data line and no
+``[DONE]``. The JSON response is :func:`fold_chunks` over exactly these
+chunks (the codec always emits the usage chunk in JSON mode), accumulated the
+way the ``openai`` SDK accumulates them.
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from mlx_cairn.errors import InvalidRequest
+from mlx_cairn.protocol.base import WireEvent
+from mlx_cairn.protocol.openai_common import (
+    CallIds,
+    TextGate,
+    cache_salt,
+    content_text,
+    error_body,
+    fail,
+    function_tool,
+    is_int,
+    json_object,
+    new_id,
+    opt_bool,
+    opt_max_tokens,
+    opt_number,
+    reasoning_switch,
+    short,
+    status_for_kind,
+    stop_list,
+    timings_body,
+    tool_call_as_text,
+    tool_choice,
+    tools_for_choice,
+)
+from mlx_cairn.protocol.sse import comment
+from mlx_cairn.types import (
+    ChatRequest,
+    Done,
+    Error,
+    Event,
+    Message,
+    ReasoningDelta,
+    SamplingParams,
+    TextDelta,
+    Tool,
+    ToolCall,
+)
+
+_TEXT_PARTS = ("text",)
+
+
+@dataclass(slots=True)
+class OpenAIChatRequest:
+    """A validated Chat Completions request: the neutral request plus dialect options."""
+
+    chat: ChatRequest
+    model: str
+    stream: bool = False
+    include_usage: bool = False
+    #: No max_tokens / max_completion_tokens given: run to the end of the context.
+    open_ended: bool = False
+
+
+def parse_chat_request(body: Any, *, max_tokens_limit: int) -> OpenAIChatRequest:
+    """Validate a ``POST /v1/chat/completions`` body and map it to a ChatRequest."""
+    if not isinstance(body, dict):
+        raise InvalidRequest("request body must be a JSON object")
+    model = body.get("model")
+    if model is None:
+        raise fail("model", "field required")
+    if not isinstance(model, str) or not model:
+        raise fail("model", "must be a non-empty string")
+    n = body.get("n")
+    if n is not None and (not is_int(n) or n != 1):
+        raise fail("n", "only n=1 is supported")
+    if "messages" not in body:
+        raise fail("messages", "field required")
+    messages = _map_messages(body["messages"])
+
+    mt = opt_max_tokens(body, "max_completion_tokens", max_tokens_limit)
+    if mt is None:
+        mt = opt_max_tokens(body, "max_tokens", max_tokens_limit)
+    open_ended = mt is None
+
+    sampling = SamplingParams()
+    t = opt_number(body, "temperature", 0.0, 2.0)
+    if t is not None:
+        sampling.temperature = t
+    p = opt_number(body, "top_p", 0.0, 1.0)
+    if p is not None:
+        if p == 0.0:
+            raise fail("top_p", "must be greater than 0")
+        sampling.top_p = p
+    seed = body.get("seed")
+    if seed is not None:
+        if not is_int(seed):
+            raise fail("seed", "must be an integer")
+        sampling.seed = int(seed)
+
+    tools = _map_tools(body.get("tools"))
+    choice = tool_choice(body.get("tool_choice"), tools, nested=True)
+    if choice is not None and not tools and choice != "none":
+        raise fail("tool_choice", "is only allowed when tools are given")
+
+    stream = opt_bool(body, "stream", False)
+    include_usage = False
+    opts = body.get("stream_options")
+    if opts is not None:
+        if not stream:
+            raise fail("stream_options", "is only allowed when stream is true")
+        if not isinstance(opts, dict):
+            raise fail("stream_options", "must be an object")
+        include_usage = opt_bool(opts, "include_usage", False)
+
+    chat = ChatRequest(
+        messages=messages,
+        model=model,
+        max_tokens=mt if mt is not None else max_tokens_limit,
+        sampling=sampling,
+        stop=stop_list(body.get("stop")),
+        tools=tools_for_choice(tools, choice),
+        tool_choice=choice if tools else None,
+        reasoning=reasoning_switch(body.get("reasoning_effort"), "reasoning_effort"),
+        cache_salt=cache_salt(body),
+    )
+    return OpenAIChatRequest(chat, model, stream, include_usage, open_ended)
+
+
+def _map_messages(raw: Any) -> list[Message]:
+    if not isinstance(raw, list):
+        raise fail("messages", "must be a list")
+    if not raw:
+        raise fail("messages", "must not be empty")
+    out: list[Message] = []
+    names: dict[str, str] = {}  # tool call id -> function name
+    for i, m in enumerate(raw):
+        param = f"messages[{i}]"
+        if not isinstance(m, dict):
+            raise fail(param, "must be an object")
+        role = m.get("role")
+        if role in ("system", "developer"):
+            out.append(
+                Message("system", content_text(m.get("content"), f"{param}.content", _TEXT_PARTS))
+            )
+        elif role == "user":
+            out.append(
+                Message("user", content_text(m.get("content"), f"{param}.content", _TEXT_PARTS))
+            )
+        elif role == "assistant":
+            msg = _map_assistant(m, param)
+            names.update({tc.id: tc.name for tc in msg.tool_calls})
+            out.append(msg)
+        elif role == "tool":
+            tid = m.get("tool_call_id")
+            if not isinstance(tid, str) or not tid:
+                raise fail(f"{param}.tool_call_id", "must be a non-empty string")
+            text = content_text(m.get("content"), f"{param}.content", _TEXT_PARTS)
+            out.append(Message("tool", text, tool_call_id=tid, name=names.get(tid)))
+        elif role == "function":
+            raise fail(
+                f"{param}.role", "the deprecated 'function' role is not supported; use 'tool'"
+            )
+        else:
+            raise fail(f"{param}.role", f"unknown role {short(role)}")
+    return out
+
+
+def _map_assistant(m: dict[str, Any], param: str) -> Message:
+    text = content_text(m.get("content"), f"{param}.content", _TEXT_PARTS)
+    reasoning = m.get("reasoning_content")
+    if reasoning is not None and not isinstance(reasoning, str):
+        raise fail(f"{param}.reasoning_content", "must be a string")
+    calls: list[ToolCall] = []
+    raw_calls = m.get("tool_calls")
+    if raw_calls is not None:
+        if not isinstance(raw_calls, list):
+            raise fail(f"{param}.tool_calls", "must be a list")
+        for k, tc in enumerate(raw_calls):
+            tp = f"{param}.tool_calls[{k}]"
+            if not isinstance(tc, dict):
+                raise fail(tp, "must be an object")
+            tid = tc.get("id")
+            if not isinstance(tid, str) or not tid:
+                raise fail(f"{tp}.id", "must be a non-empty string")
+            if tc.get("type", "function") != "function":
+                raise fail(f"{tp}.type", "must be 'function'")
+            fn = tc.get("function")
+            if not isinstance(fn, dict):
+                raise fail(f"{tp}.function", "must be an object")
+            name, args = fn.get("name"), fn.get("arguments", "{}")
+            if not isinstance(name, str) or not name:
+                raise fail(f"{tp}.function.name", "must be a non-empty string")
+            if not isinstance(args, str) or not json_object(args or "{}"):
+                raise fail(f"{tp}.function.arguments", "must be the JSON text of an object")
+            calls.append(ToolCall(tid, name, args or "{}"))
+    return Message("assistant", text, reasoning=reasoning or None, tool_calls=calls)
+
+
+def _map_tools(raw: Any) -> list[Tool]:
+    if raw is None:
+        return []
+    if not isinstance(raw, list):
+        raise fail("tools", "must be a list")
+    tools: list[Tool] = []
+    for i, t in enumerate(raw):
+        param = f"tools[{i}]"
+        if not isinstance(t, dict):
+            raise fail(param, "must be an object")
+        if t.get("type") != "function":
+            continue  # custom / server-side tools: nothing a local model can run
+        fn = t.get("function")
+        if not isinstance(fn, dict):
+            raise fail(f"{param}.function", "must be an object")
+        tools.append(
+            function_tool(
+                fn.get("name"), fn.get("description"), fn.get("parameters"), f"{param}.function"
+            )
+        )
+    return tools
+
+
+# ----------------------------------------------------------------- encoding
+
+_FINISH = {"max_tokens": "length"}
+
+
+class ChatCodec:
+    """Encodes one request's Events as ``chat.completion.chunk`` objects (see module doc)."""
+
+    def __init__(
+        self,
+        *,
+        model: str,
+        input_tokens: int,
+        include_usage: bool,
+        allow_tools: bool,
+        completion_id: str | None = None,
+        created: int | None = None,
+    ) -> None:
+        self.model = model
+        self.input_tokens = input_tokens
+        self.include_usage = include_usage
+        self.allow_tools = allow_tools
+        self.id = completion_id or new_id("chatcmpl-")
+        self.created = created if created is not None else int(time.time())
+        self._role_sent = False
+        self._calls = 0
+        self._gate = TextGate()
+        self._call_ids = CallIds()
+
+    def open(self) -> list[WireEvent]:
+        """Nothing: the role rides on the first delta."""
+        return []
+
+    def ping(self) -> bytes:
+        """An SSE comment (clients ignore it)."""
+        return comment("ping")
+
+    def _chunk(self, choices: list[dict[str, Any]], **extra: Any) -> WireEvent:
+        body: dict[str, Any] = {
+            "id": self.id,
+            "object": "chat.completion.chunk",
+            "created": self.created,
+            "model": self.model,
+            "system_fingerprint": None,
+            "choices": choices,
+        }
+        body.update(extra)
+        return (None, body)
+
+    def _delta(self, delta: dict[str, Any], finish: str | None = None) -> WireEvent:
+        if not self._role_sent:
+            self._role_sent = True
+            delta = {"role": "assistant", "content": None, **delta}
+        choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+        return self._chunk([choice])
+
+    def feed(self, ev: Event) -> list[WireEvent]:
+        """Chunks for one engine Event."""
+        out: list[WireEvent] = []
+        if isinstance(ev, TextDelta):
+            self._text(ev.text, out)
+        elif isinstance(ev, ReasoningDelta):
+            if ev.text:
+                self._gate.drop()
+                out.append(self._delta({"reasoning_content": ev.text}))
+        elif isinstance(ev, ToolCall) and not (self.allow_tools and json_object(ev.arguments)):
+            self._text(tool_call_as_text(ev), out)
+        elif isinstance(ev, ToolCall):
+            self._gate.drop()
+            i = self._calls
+            self._calls += 1
+            call_id = self._call_ids.take(ev.id)
+            head = {
+                "index": i,
+                "id": call_id,
+                "type": "function",
+                "function": {"name": ev.name, "arguments": ""},
+            }
+            out.append(self._delta({"tool_calls": [head]}))
+            out.append(
+                self._delta({"tool_calls": [{"index": i, "function": {"arguments": ev.arguments}}]})
+            )
+        elif isinstance(ev, Done):
+            if not self._role_sent:
+                out.append(self._delta({"content": ""}))
+            finish = _FINISH.get(ev.stop_reason, "tool_calls" if self._calls else "stop")
+            out.append(self._delta({}, finish))
+            if self.include_usage:
+                out.append(self._chunk([], usage=self._usage(ev)))
+            out.append((None, "[DONE]"))
+        elif isinstance(ev, Error):
+            status = status_for_kind(ev.kind)
+            out.append((None, error_body(status, ev.kind, ev.message, None)))
+        return out
+
+    def _text(self, text: str, out: list[WireEvent]) -> None:
+        text = self._gate.push(text) if text else ""
+        if text:
+            out.append(self._delta({"content": text}))
+
+    def _usage(self, done: Done) -> dict[str, Any]:
+        prompt = done.usage.input_tokens or self.input_tokens
+        return {
+            "prompt_tokens": prompt,
+            "completion_tokens": done.usage.output_tokens,
+            "total_tokens": prompt + done.usage.output_tokens,
+            "prompt_tokens_details": {"cached_tokens": done.usage.cached_tokens},
+            "timings": timings_body(done.timings),
+        }
+
+    def fold(self, wire: list[WireEvent]) -> dict[str, Any]:
+        """The non-streaming ``chat.completion``: :func:`fold_chunks` over these chunks."""
+        return fold_chunks(wire)
+
+
+def _accumulate(acc: dict[str, Any], delta: dict[str, Any]) -> None:
+    """Merge one delta the way the ``openai`` SDK does (strings concatenate)."""
+    for key, val in delta.items():
+        cur = acc.get(key)
+        if key == "tool_calls":
+            calls = acc.setdefault("tool_calls", [])
+            for tc in val:
+                i = tc["index"]
+                while len(calls) <= i:
+                    calls.append({})
+                _accumulate(calls[i], {k: v for k, v in tc.items() if k != "index"})
+        elif cur is None or key == "type":
+            acc[key] = copy.deepcopy(val)
+        elif isinstance(cur, str) and isinstance(val, str):
+            acc[key] = cur + val
+        elif isinstance(cur, dict) and isinstance(val, dict):
+            _accumulate(cur, val)
+        elif val is not None:
+            acc[key] = copy.deepcopy(val)
+
+
+def fold_chunks(wire: list[WireEvent]) -> dict[str, Any]:
+    """Accumulate chat completion chunks into the ``chat.completion`` they describe.
+
+    Raises ValueError on an error chunk or when no chunk came.
+    """
+    head: dict[str, Any] | None = None
+    message: dict[str, Any] = {}
+    finish: str | None = None
+    usage: dict[str, Any] | None = None
+    for _, payload in wire:
+        if isinstance(payload, str):  # [DONE]
+            continue
+        if "error" in payload:
+            raise ValueError(payload["error"]["message"])
+        head = head or payload
+        for choice in payload["choices"]:
+            _accumulate(message, choice["delta"])
+            finish = choice.get("finish_reason") or finish
+        if payload.get("usage") is not None:
+            usage = payload["usage"]
+    if head is None:
+        raise ValueError("no chunks")
+    message.setdefault("role", "assistant")
+    message.setdefault("content", None)
+    message.setdefault("refusal", None)
+    return {
+        "id": head["id"],
+        "object": "chat.completion",
+        "created": head["created"],
+        "model": head["model"],
+        "system_fingerprint": head.get("system_fingerprint"),
+        "choices": [{"index": 0, "message": message, "logprobs": None, "finish_reason": finish}],
+        "usage": copy.deepcopy(usage),
+    }

@@ -1,0 +1,348 @@
+"""What the two OpenAI dialects (Chat Completions, Responses) share.
+
+- the error envelope ``{"error": {"message", "type", "param", "code"}}`` and
+  the status -> type table;
+- field validators that name the offending field (``messages[2].content``);
+- ``tools`` / ``tool_choice`` / ``reasoning_effort`` mapping to the neutral
+  :class:`~mlx_cairn.types.ChatRequest`;
+- :class:`TextGate`: holds whitespace that only precedes a tool call (the
+  same rule as the Anthropic encoder, so a tool-only answer has no text);
+- :func:`tool_call_as_text`: a tool call the request did not allow comes back
+  as text, nothing is lost.
+
+Error types by status (``code`` refines a few)::
+
+    400 invalid_request_error   (code context_length_exceeded for the context check)
+    401 authentication_error    (code invalid_api_key)
+    403 permission_error
+    404 not_found_error
+    413 invalid_request_error   (code request_too_large)
+    429 rate_limit_error        (code rate_limit_exceeded)
+    5xx server_error
+"""
+
+from __future__ import annotations
+
+import math
+import secrets
+import string
+from typing import Any
+
+import orjson
+
+from mlx_cairn.errors import InvalidRequest
+from mlx_cairn.types import Tool, ToolCall
+
+_ALNUM = string.ascii_letters + string.digits
+MAX_STOP_SEQUENCES = 64
+MAX_STOP_SEQUENCE_CHARS = 1024
+_MEDIA_PLACEHOLDER = "[{kind} omitted: this model reads text only]"
+
+_STATUS_TYPES: dict[int, str] = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    405: "invalid_request_error",
+    413: "invalid_request_error",
+    422: "invalid_request_error",
+    429: "rate_limit_error",
+}
+_KIND_CODES: dict[str, str] = {
+    "context_length": "context_length_exceeded",
+    "authentication": "invalid_api_key",
+    "too_large": "request_too_large",
+    "overloaded": "rate_limit_exceeded",
+    "rate_limit": "rate_limit_exceeded",
+}
+_KIND_STATUS: dict[str, int] = {
+    "invalid_request": 400,
+    "context_length": 400,
+    "authentication": 401,
+    "not_found": 404,
+    "too_large": 413,
+    "overloaded": 429,
+    "rate_limit": 429,
+}
+
+
+def new_id(prefix: str, n: int = 24) -> str:
+    """A random id such as ``chatcmpl-...``, ``call_...`` or ``resp_...``."""
+    return prefix + "".join(secrets.choice(_ALNUM) for _ in range(n))
+
+
+class CallIds:
+    """``call_`` ids for one response: the engine's id when it is a fresh
+    ``call_...``, else a new random one (ids never repeat within a response)."""
+
+    def __init__(self) -> None:
+        self._used: set[str] = set()
+
+    def take(self, engine_id: str) -> str:
+        cid = engine_id if engine_id.startswith("call_") else ""
+        while not cid or cid in self._used:
+            cid = new_id("call_")
+        self._used.add(cid)
+        return cid
+
+
+def error_type(status: int) -> str:
+    """The OpenAI error ``type`` for an HTTP status."""
+    return _STATUS_TYPES.get(status, "server_error" if status >= 500 else "invalid_request_error")
+
+
+def error_body(status: int, kind: str, message: str, param: str | None) -> dict[str, Any]:
+    """The OpenAI error envelope (the ``error_body`` of both OpenAI dialects)."""
+    return {
+        "error": {
+            "message": message,
+            "type": error_type(status),
+            "param": param,
+            "code": _KIND_CODES.get(kind),
+        }
+    }
+
+
+def status_for_kind(kind: str) -> int:
+    """HTTP status of an Error event that arrives before a JSON body is sent."""
+    return _KIND_STATUS.get(kind, 500)
+
+
+def models_body(models: list[Any]) -> dict[str, Any]:
+    """``GET /v1/models`` in the OpenAI shape."""
+    return {
+        "object": "list",
+        "data": [
+            {"id": m.id, "object": "model", "created": m.created, "owned_by": "mlx-cairn"}
+            for m in models
+        ],
+    }
+
+
+# ---------------------------------------------------------------- validation
+
+
+def fail(param: str, message: str) -> InvalidRequest:
+    """A 400 naming ``param``."""
+    return InvalidRequest(f"{param}: {message}", param=param)
+
+
+def is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def is_num(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def short(v: Any) -> str:
+    s = repr(v)
+    return s if len(s) <= 40 else s[:37] + "..."
+
+
+def opt_bool(body: dict[str, Any], key: str, default: bool) -> bool:
+    v = body.get(key)
+    if v is None:
+        return default
+    if not isinstance(v, bool):
+        raise fail(key, "must be a boolean")
+    return v
+
+
+def opt_number(body: dict[str, Any], key: str, lo: float, hi: float) -> float | None:
+    v = body.get(key)
+    if v is None:
+        return None
+    if not is_num(v) or not lo <= v <= hi:
+        raise fail(key, f"must be a number between {lo:g} and {hi:g}")
+    return float(v)
+
+
+def opt_max_tokens(body: dict[str, Any], key: str, limit: int) -> int | None:
+    v = body.get(key)
+    if v is None:
+        return None
+    if not is_int(v):
+        raise fail(key, "must be an integer")
+    if v < 1:
+        raise fail(key, "must be at least 1")
+    if v > limit:
+        raise fail(key, f"must be at most {limit} on this server")
+    return int(v)
+
+
+def stop_list(raw: Any, param: str = "stop") -> list[str]:
+    """``stop``: a string or a list of strings."""
+    if raw is None:
+        return []
+    items = [raw] if isinstance(raw, str) else raw
+    if not isinstance(items, list):
+        raise fail(param, "must be a string or a list of strings")
+    if len(items) > MAX_STOP_SEQUENCES:
+        raise fail(param, f"at most {MAX_STOP_SEQUENCES} entries")
+    for i, s in enumerate(items):
+        p = param if isinstance(raw, str) else f"{param}[{i}]"
+        if not isinstance(s, str) or not s:
+            raise fail(p, "must be a non-empty string")
+        if len(s) > MAX_STOP_SEQUENCE_CHARS:
+            raise fail(p, f"at most {MAX_STOP_SEQUENCE_CHARS} characters")
+    return list(items)
+
+
+def cache_salt(body: dict[str, Any]) -> str | None:
+    """``cache_salt`` (as in vLLM): requests with different salts share no cached prefix."""
+    v = body.get("cache_salt")
+    if v is None:
+        return None
+    if not isinstance(v, str) or not v:
+        raise fail("cache_salt", "must be a non-empty string")
+    return v
+
+
+def reasoning_switch(effort: Any, param: str) -> bool | None:
+    """``reasoning_effort`` -> the model's reasoning switch (None: model default)."""
+    if effort is None:
+        return None
+    if effort in ("none", "minimal"):
+        return False
+    if effort in ("low", "medium", "high", "xhigh"):
+        return True
+    raise fail(param, "must be one of 'none', 'minimal', 'low', 'medium', 'high'")
+
+
+def content_text(raw: Any, param: str, text_types: tuple[str, ...]) -> str:
+    """A message ``content``: a string, or parts whose text is joined.
+
+    Text parts are the ``text_types`` (``text`` for Chat, ``input_text`` /
+    ``output_text`` for Responses); images, audio and files become a short
+    placeholder, refusals keep their text.
+    """
+    if raw is None:
+        return ""
+    if isinstance(raw, str):
+        return raw
+    if not isinstance(raw, list):
+        raise fail(param, "must be a string or a list of content parts")
+    out: list[str] = []
+    for j, part in enumerate(raw):
+        pp = f"{param}[{j}]"
+        if not isinstance(part, dict):
+            raise fail(pp, "must be an object")
+        kind = part.get("type")
+        if kind in text_types:
+            text = part.get("text")
+            if not isinstance(text, str):
+                raise fail(f"{pp}.text", "must be a string")
+            out.append(text)
+        elif kind == "refusal":
+            text = part.get("refusal")
+            if not isinstance(text, str):
+                raise fail(f"{pp}.refusal", "must be a string")
+            out.append(text)
+        elif kind in ("image_url", "input_image", "input_audio", "file", "input_file"):
+            out.append(_MEDIA_PLACEHOLDER.format(kind=kind))
+        else:
+            raise fail(f"{pp}.type", f"unsupported content part type {short(kind)}")
+    return "".join(out)
+
+
+def function_tool(name: Any, desc: Any, params: Any, param: str) -> Tool:
+    """One validated function tool."""
+    if not isinstance(name, str) or not name:
+        raise fail(f"{param}.name", "must be a non-empty string")
+    if desc is None:
+        desc = ""
+    if not isinstance(desc, str):
+        raise fail(f"{param}.description", "must be a string")
+    if params is None:
+        params = {"type": "object", "properties": {}}
+    if not isinstance(params, dict):
+        raise fail(f"{param}.parameters", "must be a JSON Schema object")
+    return Tool(name, desc, params)
+
+
+def tool_choice(raw: Any, tools: list[Tool], *, nested: bool) -> str | dict[str, Any] | None:
+    """``tool_choice``: auto / none / required or one named function.
+
+    ``nested``: Chat spells a named choice ``{"type": "function", "function":
+    {"name": ...}}``, Responses ``{"type": "function", "name": ...}``.
+    """
+    if raw is None:
+        return None
+    if raw in ("auto", "none", "required"):
+        return str(raw)
+    if not isinstance(raw, dict) or raw.get("type") != "function":
+        raise fail("tool_choice", "must be 'auto', 'none', 'required' or a named function")
+    holder = raw.get("function") if nested else raw
+    name = holder.get("name") if isinstance(holder, dict) else None
+    where = "tool_choice.function.name" if nested else "tool_choice.name"
+    if not isinstance(name, str) or not name:
+        raise fail(where, "must be a non-empty string")
+    if not any(t.name == name for t in tools):
+        raise fail(where, f"no tool named {short(name)} in tools")
+    return {"name": name}
+
+
+def tools_for_choice(tools: list[Tool], choice: str | dict[str, Any] | None) -> list[Tool]:
+    """The tools the model is shown: only the named one for a named choice."""
+    if isinstance(choice, dict):
+        return [t for t in tools if t.name == choice["name"]]
+    return tools
+
+
+# ------------------------------------------------------------------ encoding
+
+
+def json_object(text: str) -> bool:
+    """Whether ``text`` is the JSON text of an object."""
+    try:
+        return isinstance(orjson.loads(text), dict)
+    except orjson.JSONDecodeError:
+        return False
+
+
+def tool_call_as_text(ev: ToolCall) -> str:
+    """A tool call the request did not allow, as the text the model meant."""
+    try:
+        return orjson.dumps({"name": ev.name, "arguments": orjson.loads(ev.arguments)}).decode()
+    except (orjson.JSONDecodeError, TypeError):  # not JSON, or nested beyond orjson's limit
+        return orjson.dumps({"name": ev.name, "arguments": ev.arguments}).decode()
+
+
+class TextGate:
+    """Holds text that is whitespace only until something visible follows.
+
+    Whitespace the model writes before a tool call (or before the end) is
+    dropped; whitespace before more text is released with it.
+    """
+
+    def __init__(self) -> None:
+        self.started = False
+        self._held = ""
+
+    def push(self, text: str) -> str:
+        """The text to send now ("" while only whitespace has been seen)."""
+        if self.started:
+            return text
+        held = self._held + text
+        if not held.strip():
+            self._held = held
+            return ""
+        self.started = True
+        self._held = ""
+        return held
+
+    def drop(self) -> None:
+        """A tool call or reasoning came next: forget held whitespace, hold again."""
+        self.started = False
+        self._held = ""
+
+
+def timings_body(t: Any) -> dict[str, float]:
+    """Timing figures, documented extra fields in ``usage.timings``."""
+    return {
+        "queue_ms": round(t.queue_ms, 3),
+        "ttft_ms": round(t.ttft_ms, 3),
+        "prefill_tokens_per_s": round(t.prefill_tokens_per_s, 3),
+        "decode_tokens_per_s": round(t.decode_tokens_per_s, 3),
+    }

@@ -1,0 +1,471 @@
+//! Streaming output parser: visible text, `<think>` reasoning and tool calls.
+//!
+//! The parser is a small state machine over modes. In each mode a set of
+//! tags is active ([`TagSet`]); at every `<` (or `[` for Mistral) it decides
+//! between a whole tag, a possible tag cut by the chunk end (held back until
+//! the next push), or a false alarm (released as content). Content goes to
+//! the sink of the mode: visible text, reasoning, or a tool-call body that
+//! is parsed when its closing tag (or the end of the stream) arrives.
+use std::mem::take;
+
+use crate::json_scan::JsonScan;
+use crate::tags::{Lookup, Tag, TagSet};
+use crate::tags::{MISTRAL_CALLS, PYTHON_TAG, THINK_CLOSE, THINK_OPEN, TOOL_CLOSE, TOOL_OPEN};
+use crate::{toolcall, Family, TextError};
+
+/// A parsed tool call.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct ToolCall {
+    pub name: String,
+    /// JSON text of an object (`{}` when the call has no arguments).
+    pub arguments: String,
+    /// The model's text for this call, without the enclosing tags. When one
+    /// body holds several calls the first carries it and the rest are empty.
+    pub raw: String,
+}
+
+/// One piece of parsed model output.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub enum Segment {
+    Text(String),
+    Reasoning(String),
+    ToolCall(ToolCall),
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Mode {
+    Text,
+    Reasoning,
+    /// Inside `<tool_call>` (Hermes JSON or Qwen3-Coder `<function=..>`).
+    Tagged,
+    /// After Llama's `<|python_tag|>`, up to an end marker or the end.
+    Python,
+    /// After Mistral's `[TOOL_CALLS]`, up to the next one or the end.
+    Mistral,
+    /// A Llama reply that opens with `{`: maybe a bare JSON call.
+    BareJson,
+}
+
+/// Splits streamed model text into [`Segment`]s.
+///
+/// - End-of-turn markers ([`crate::END_MARKERS`]) are dropped everywhere.
+/// - With `reasoning`, `<think>..</think>` becomes reasoning; with
+///   `starts_in_reasoning` the stream begins inside it (templates that open
+///   `<think>` in the prompt). Without `reasoning` those tags are plain text.
+/// - Without a family, tool-call tags are plain text.
+/// - A malformed tool call comes back as text, tags included.
+/// - Whitespace right after a reasoning block or a tool call is dropped (it
+///   is template formatting, not an answer).
+///
+/// ```
+/// use cairn_text::{Family, OutputParser, Segment};
+/// let mut p = OutputParser::new(Some(Family::Hermes), false, false).unwrap();
+/// let mut segs = p.push("Hi<tool_");
+/// segs.extend(p.push(r#"call>{"name": "f", "arguments": {}}</tool_call>"#));
+/// segs.extend(p.flush());
+/// assert_eq!(segs[0], Segment::Text("Hi".into()));
+/// assert!(matches!(&segs[1], Segment::ToolCall(c) if c.name == "f"));
+/// ```
+#[derive(Debug, Clone)]
+pub struct OutputParser {
+    family: Option<Family>,
+    reasoning: bool,
+    starts_in_reasoning: bool,
+    text_tags: TagSet,
+    reasoning_tags: TagSet,
+    tagged_tags: TagSet,
+    python_tags: TagSet,
+    mistral_tags: TagSet,
+    mode: Mode,
+    /// Input held back because it may be the start of a tag.
+    buf: String,
+    /// The tool-call body being collected.
+    body: String,
+    json: JsonScan,
+    /// Whitespace held while `lead` is set.
+    pending: String,
+    /// At the start of a text run whose leading whitespace is held.
+    lead: bool,
+    /// Drop that leading whitespace (it follows a block).
+    trim: bool,
+    /// Llama: no visible text yet, so a `{` may open a bare JSON call.
+    detect_bare: bool,
+    /// Llama: just after a call, where `;` separates calls.
+    after_call: bool,
+    out: Vec<Segment>,
+}
+
+impl OutputParser {
+    /// A parser for `family` (`None`: no tool calls) with optional reasoning.
+    pub fn new(
+        family: Option<Family>,
+        reasoning: bool,
+        starts_in_reasoning: bool,
+    ) -> Result<Self, TextError> {
+        if starts_in_reasoning && !reasoning {
+            return Err(TextError::ReasoningOff);
+        }
+        let think = [(THINK_OPEN, Tag::ThinkOpen), (THINK_CLOSE, Tag::ThinkClose)];
+        let mut text: Vec<(&'static str, Tag)> = Vec::new();
+        if reasoning {
+            text.extend(think);
+        }
+        match family {
+            Some(Family::Hermes | Family::Qwen3Coder) => {
+                text.extend([(TOOL_OPEN, Tag::ToolOpen), (TOOL_CLOSE, Tag::ToolClose)])
+            }
+            Some(Family::Llama3) => text.push((PYTHON_TAG, Tag::PythonCall)),
+            Some(Family::Mistral) => text.push((MISTRAL_CALLS, Tag::MistralCalls)),
+            None => {}
+        }
+        let mut p = OutputParser {
+            family,
+            reasoning,
+            starts_in_reasoning,
+            text_tags: TagSet::new(&text),
+            reasoning_tags: TagSet::new(&think),
+            tagged_tags: TagSet::new(&[(TOOL_CLOSE, Tag::ToolClose)]),
+            python_tags: TagSet::new(&[]),
+            mistral_tags: TagSet::new(&[(MISTRAL_CALLS, Tag::MistralCalls)]),
+            mode: Mode::Text,
+            buf: String::new(),
+            body: String::new(),
+            json: JsonScan::default(),
+            pending: String::new(),
+            lead: false,
+            trim: false,
+            detect_bare: false,
+            after_call: false,
+            out: Vec::new(),
+        };
+        p.reset();
+        Ok(p)
+    }
+
+    /// The tool-call family, if any.
+    pub fn family(&self) -> Option<Family> {
+        self.family
+    }
+
+    /// Whether `<think>` reasoning is parsed.
+    pub fn reasoning(&self) -> bool {
+        self.reasoning
+    }
+
+    /// Whether the stream starts inside reasoning.
+    pub fn starts_in_reasoning(&self) -> bool {
+        self.starts_in_reasoning
+    }
+
+    /// Forgets all state: a fresh stream with the same settings.
+    pub fn reset(&mut self) {
+        let llama = self.family == Some(Family::Llama3);
+        self.mode = if self.starts_in_reasoning {
+            Mode::Reasoning
+        } else {
+            Mode::Text
+        };
+        self.buf.clear();
+        self.body.clear();
+        self.pending.clear();
+        self.json.reset();
+        self.lead = llama;
+        self.trim = false;
+        self.detect_bare = llama;
+        self.after_call = false;
+        self.out.clear();
+    }
+
+    /// Feeds `text`; returns the segments completed by it (adjacent text or
+    /// reasoning pieces already merged).
+    pub fn push(&mut self, text: &str) -> Vec<Segment> {
+        let mut out = Vec::new();
+        self.push_into(text, &mut out);
+        out
+    }
+
+    /// Like [`OutputParser::push`], appending to `out`.
+    pub fn push_into(&mut self, text: &str, out: &mut Vec<Segment>) {
+        if self.buf.is_empty() {
+            self.process(text, false);
+        } else {
+            let mut s = take(&mut self.buf);
+            s.push_str(text);
+            self.process(&s, false);
+        }
+        Self::drain(&mut self.out, out);
+    }
+
+    /// Ends the stream: releases held text, parses an unclosed tool call,
+    /// and resets the parser for a new stream.
+    pub fn flush(&mut self) -> Vec<Segment> {
+        let mut out = Vec::new();
+        self.flush_into(&mut out);
+        out
+    }
+
+    /// Like [`OutputParser::flush`], appending to `out`.
+    pub fn flush_into(&mut self, out: &mut Vec<Segment>) {
+        let held = take(&mut self.buf);
+        self.process(&held, true);
+        loop {
+            match self.mode {
+                Mode::Text | Mode::Reasoning => {
+                    if self.lead && !self.trim {
+                        let p = take(&mut self.pending);
+                        self.emit_text(&p);
+                    }
+                }
+                Mode::Tagged => self.finish_body(TOOL_OPEN, "", toolcall::parse_tagged_body),
+                Mode::Python => self.finish_body(PYTHON_TAG, "", toolcall::parse_llama),
+                Mode::Mistral => self.finish_body(MISTRAL_CALLS, "", toolcall::parse_mistral),
+                Mode::BareJson => {
+                    // Still open at the end: not a complete call.
+                    let body = take(&mut self.body);
+                    self.not_bare();
+                    self.process(&body, true);
+                    continue;
+                }
+            }
+            break;
+        }
+        Self::drain(&mut self.out, out);
+        self.reset();
+    }
+
+    /// Merges adjacent text (and adjacent reasoning) segments and drops
+    /// empty ones: the canonical form [`parse_output`] returns.
+    pub fn coalesce(segs: impl IntoIterator<Item = Segment>) -> Vec<Segment> {
+        let mut out = Vec::new();
+        Self::drain_iter(segs, &mut out);
+        out
+    }
+
+    fn drain(from: &mut Vec<Segment>, to: &mut Vec<Segment>) {
+        if to.is_empty() {
+            std::mem::swap(from, to);
+        } else {
+            Self::drain_iter(from.drain(..), to);
+        }
+    }
+
+    fn drain_iter(segs: impl IntoIterator<Item = Segment>, to: &mut Vec<Segment>) {
+        for s in segs {
+            match (to.last_mut(), s) {
+                (_, Segment::Text(t) | Segment::Reasoning(t)) if t.is_empty() => {}
+                (Some(Segment::Text(a)), Segment::Text(b)) => a.push_str(&b),
+                (Some(Segment::Reasoning(a)), Segment::Reasoning(b)) => a.push_str(&b),
+                (_, s) => to.push(s),
+            }
+        }
+    }
+
+    fn tags(&self) -> &TagSet {
+        match self.mode {
+            Mode::Text | Mode::BareJson => &self.text_tags,
+            Mode::Reasoning => &self.reasoning_tags,
+            Mode::Tagged => &self.tagged_tags,
+            Mode::Python => &self.python_tags,
+            Mode::Mistral => &self.mistral_tags,
+        }
+    }
+
+    fn process(&mut self, s: &str, fin: bool) {
+        let mut pos = 0;
+        while pos < s.len() {
+            let rest = &s[pos..];
+            if self.mode == Mode::BareJson {
+                let (n, done) = self.json.feed(rest.as_bytes());
+                self.body.push_str(&rest[..n]);
+                pos += n;
+                if done {
+                    let body = take(&mut self.body);
+                    self.mode = Mode::Text;
+                    if let Some(calls) = toolcall::parse_llama(&body) {
+                        self.emit_calls(calls);
+                        self.after_call = true;
+                    } else {
+                        // Not a call after all: it is text, tags and all.
+                        self.not_bare();
+                        let again = body + &s[pos..];
+                        return self.process(&again, fin);
+                    }
+                }
+                continue;
+            }
+            let tags = self.tags();
+            match tags.next_candidate(rest) {
+                None => pos += self.content(rest),
+                Some(0) => match tags.lookup(rest) {
+                    Lookup::Full(tag, n) => {
+                        pos += n;
+                        self.on_tag(tag);
+                    }
+                    Lookup::Partial if !fin => {
+                        self.buf.push_str(rest);
+                        return;
+                    }
+                    // A lone `<` or `[` is content (both are one byte).
+                    _ => pos += self.content(&rest[..1]),
+                },
+                Some(c) => pos += self.content(&rest[..c]),
+            }
+        }
+    }
+
+    /// Sends content to the current mode's sink; returns the bytes consumed
+    /// (fewer than `s.len()` only when a bare JSON call starts).
+    fn content(&mut self, s: &str) -> usize {
+        match self.mode {
+            Mode::Text => self.text_sink(s),
+            Mode::Reasoning => {
+                Self::push_seg(&mut self.out, s, false);
+                s.len()
+            }
+            Mode::Tagged | Mode::Python | Mode::Mistral | Mode::BareJson => {
+                self.body.push_str(s);
+                s.len()
+            }
+        }
+    }
+
+    fn text_sink(&mut self, s: &str) -> usize {
+        let mut i = 0;
+        if self.lead {
+            let b = s.as_bytes();
+            while i < b.len() && (b[i].is_ascii_whitespace() || (self.after_call && b[i] == b';')) {
+                i += 1;
+            }
+            self.pending.push_str(&s[..i]);
+            if i == b.len() {
+                return i;
+            }
+            if self.detect_bare && b[i] == b'{' {
+                self.mode = Mode::BareJson;
+                self.body = take(&mut self.pending);
+                self.json.reset();
+                return i;
+            }
+            let p = take(&mut self.pending);
+            if !self.trim {
+                self.emit_text(&p);
+            }
+            self.lead = false;
+            self.trim = false;
+            self.detect_bare = false;
+            self.after_call = false;
+        }
+        self.emit_text(&s[i..]);
+        s.len()
+    }
+
+    fn on_tag(&mut self, tag: Tag) {
+        match (self.mode, tag) {
+            (_, Tag::Marker) if self.mode != Mode::Python && self.mode != Mode::Mistral => {}
+            (Mode::Text, Tag::ThinkOpen) => {
+                self.pending.clear();
+                self.mode = Mode::Reasoning;
+            }
+            (Mode::Text, Tag::ToolOpen) => self.open_body(Mode::Tagged),
+            (Mode::Text, Tag::PythonCall) => self.open_body(Mode::Python),
+            (Mode::Text, Tag::MistralCalls) => self.open_body(Mode::Mistral),
+            (Mode::Reasoning, Tag::ThinkClose) => {
+                self.mode = Mode::Text;
+                self.block_end();
+            }
+            (Mode::Tagged, Tag::ToolClose) => {
+                self.finish_body(TOOL_OPEN, TOOL_CLOSE, toolcall::parse_tagged_body)
+            }
+            (Mode::Python, Tag::Marker) => self.finish_body(PYTHON_TAG, "", toolcall::parse_llama),
+            (Mode::Mistral, Tag::Marker) => {
+                self.finish_body(MISTRAL_CALLS, "", toolcall::parse_mistral)
+            }
+            (Mode::Mistral, Tag::MistralCalls) => {
+                self.finish_body(MISTRAL_CALLS, "", toolcall::parse_mistral);
+                self.open_body(Mode::Mistral);
+            }
+            // Stray closing tags and `<think>` inside reasoning carry no meaning.
+            _ => {}
+        }
+    }
+
+    fn open_body(&mut self, mode: Mode) {
+        self.pending.clear();
+        self.body.clear();
+        self.mode = mode;
+    }
+
+    /// Parses the collected body; on failure the raw text (with its tags)
+    /// becomes visible text so nothing the model wrote is lost.
+    fn finish_body(
+        &mut self,
+        open: &str,
+        close: &str,
+        parse: fn(&str) -> Option<Vec<crate::ToolCall>>,
+    ) {
+        let body = take(&mut self.body);
+        self.mode = Mode::Text;
+        match parse(&body) {
+            Some(calls) => {
+                self.emit_calls(calls);
+                self.after_call = self.family == Some(Family::Llama3);
+            }
+            None => {
+                self.lead = false;
+                self.trim = false;
+                self.detect_bare = false;
+                self.after_call = false;
+                let raw = [open, &body, close].concat();
+                self.emit_text(&raw);
+            }
+        }
+    }
+
+    fn emit_calls(&mut self, calls: Vec<crate::ToolCall>) {
+        self.out.extend(calls.into_iter().map(Segment::ToolCall));
+        self.block_end();
+    }
+
+    fn block_end(&mut self) {
+        self.lead = true;
+        self.trim = true;
+        self.pending.clear();
+    }
+
+    fn not_bare(&mut self) {
+        self.mode = Mode::Text;
+        self.detect_bare = false;
+        self.lead = false;
+        self.trim = false;
+        self.after_call = false;
+    }
+
+    fn emit_text(&mut self, s: &str) {
+        Self::push_seg(&mut self.out, s, true);
+    }
+
+    fn push_seg(out: &mut Vec<Segment>, s: &str, text: bool) {
+        if s.is_empty() {
+            return;
+        }
+        match (out.last_mut(), text) {
+            (Some(Segment::Text(t)), true) | (Some(Segment::Reasoning(t)), false) => t.push_str(s),
+            (_, true) => out.push(Segment::Text(s.to_owned())),
+            (_, false) => out.push(Segment::Reasoning(s.to_owned())),
+        }
+    }
+}
+
+/// One-shot form of [`OutputParser`]: equal to the coalesced streamed result
+/// for every chunking.
+pub fn parse_output(
+    text: &str,
+    family: Option<Family>,
+    reasoning: bool,
+    starts_in_reasoning: bool,
+) -> Result<Vec<Segment>, TextError> {
+    let mut p = OutputParser::new(family, reasoning, starts_in_reasoning)?;
+    let mut segs = p.push(text);
+    p.flush_into(&mut segs);
+    Ok(segs)
+}

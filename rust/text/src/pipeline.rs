@@ -1,0 +1,79 @@
+//! Stop scan then output parsing, as the engine runs them once per token.
+use crate::{Family, OutputParser, Segment, StopScanner, TextError};
+
+/// [`StopScanner`] over the raw model text, then [`OutputParser`] over what
+/// the scanner released. After a stop matches, the parser is flushed and
+/// everything later (tool calls included) is dropped until [`flush`].
+///
+/// [`flush`]: TextPipeline::flush
+#[derive(Debug, Clone)]
+pub struct TextPipeline {
+    scanner: StopScanner,
+    parser: OutputParser,
+    scratch: String,
+    done: bool,
+}
+
+impl TextPipeline {
+    /// A pipeline with these stop sequences and parser settings.
+    pub fn new<S: AsRef<str>>(
+        stops: &[S],
+        family: Option<Family>,
+        reasoning: bool,
+        starts_in_reasoning: bool,
+    ) -> Result<Self, TextError> {
+        Ok(TextPipeline {
+            scanner: StopScanner::new(stops)?,
+            parser: OutputParser::new(family, reasoning, starts_in_reasoning)?,
+            scratch: String::new(),
+            done: false,
+        })
+    }
+
+    /// The stop scanner (for its stop list).
+    pub fn scanner(&self) -> &StopScanner {
+        &self.scanner
+    }
+
+    /// The output parser (for its settings).
+    pub fn parser(&self) -> &OutputParser {
+        &self.parser
+    }
+
+    /// Feeds one decoded chunk; returns the finished segments and the index
+    /// of the stop that matched in this call, if any.
+    pub fn push(&mut self, text: &str) -> (Vec<Segment>, Option<usize>) {
+        let mut segs = Vec::new();
+        if self.done {
+            return (segs, None);
+        }
+        self.scratch.clear();
+        let m = self.scanner.push_into(text, &mut self.scratch);
+        self.parser.push_into(&self.scratch, &mut segs);
+        if m.is_some() {
+            self.parser.flush_into(&mut segs);
+            self.done = true;
+        }
+        (segs, m)
+    }
+
+    /// Ends the stream and resets the pipeline for a new one.
+    pub fn flush(&mut self) -> Vec<Segment> {
+        let mut segs = Vec::new();
+        if !self.done {
+            self.scratch.clear();
+            self.scanner.flush_into(&mut self.scratch);
+            self.parser.push_into(&self.scratch, &mut segs);
+            self.parser.flush_into(&mut segs);
+        }
+        self.reset();
+        segs
+    }
+
+    /// Forgets all state: a fresh stream with the same settings.
+    pub fn reset(&mut self) {
+        self.scanner.reset();
+        self.parser.reset();
+        self.done = false;
+    }
+}

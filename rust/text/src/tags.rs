@@ -1,0 +1,144 @@
+//! Tool-call families and the structural tags each one recognizes.
+use std::fmt;
+use std::str::FromStr;
+
+use crate::TextError;
+
+/// How a model family writes tool calls.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Family {
+    /// Hermes / Qwen2.5 / Qwen3: `<tool_call>{"name": .., "arguments": {..}}</tool_call>`.
+    Hermes,
+    /// Qwen3-Coder: `<tool_call><function=NAME><parameter=P>value</parameter></function></tool_call>`.
+    Qwen3Coder,
+    /// Llama 3.x: `<|python_tag|>{json}` or a bare `{"name": .., "parameters": ..}` reply.
+    Llama3,
+    /// Mistral: `[TOOL_CALLS][{"name": .., "arguments": ..}]` or `[TOOL_CALLS]name[ARGS]{..}`.
+    Mistral,
+}
+
+impl Family {
+    /// The accepted family names, as [`FromStr`] parses them.
+    pub const NAMES: [&'static str; 4] = ["hermes", "qwen3_coder", "llama3", "mistral"];
+
+    /// The canonical name.
+    pub fn name(self) -> &'static str {
+        match self {
+            Family::Hermes => "hermes",
+            Family::Qwen3Coder => "qwen3_coder",
+            Family::Llama3 => "llama3",
+            Family::Mistral => "mistral",
+        }
+    }
+}
+
+impl FromStr for Family {
+    type Err = TextError;
+
+    fn from_str(s: &str) -> Result<Self, TextError> {
+        match s {
+            "hermes" => Ok(Family::Hermes),
+            "qwen3_coder" => Ok(Family::Qwen3Coder),
+            "llama3" => Ok(Family::Llama3),
+            "mistral" => Ok(Family::Mistral),
+            _ => Err(TextError::UnknownFamily(s.to_owned())),
+        }
+    }
+}
+
+impl fmt::Display for Family {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+/// End-of-turn and chat-template markers. They are dropped wherever they
+/// appear and never reach any segment.
+pub const END_MARKERS: &[&str] = &[
+    "<|im_end|>",
+    "<|im_start|>",
+    "<|endoftext|>",
+    "<|end_of_text|>",
+    "<|begin_of_text|>",
+    "<|eot_id|>",
+    "<|eom_id|>",
+    "<|start_header_id|>",
+    "<|end_header_id|>",
+    "<|end|>",
+    "<end_of_turn>",
+    "<start_of_turn>",
+];
+
+pub(crate) const THINK_OPEN: &str = "<think>";
+pub(crate) const THINK_CLOSE: &str = "</think>";
+pub(crate) const TOOL_OPEN: &str = "<tool_call>";
+pub(crate) const TOOL_CLOSE: &str = "</tool_call>";
+pub(crate) const PYTHON_TAG: &str = "<|python_tag|>";
+pub(crate) const MISTRAL_CALLS: &str = "[TOOL_CALLS]";
+
+/// What a recognized tag means.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Tag {
+    ThinkOpen,
+    ThinkClose,
+    ToolOpen,
+    ToolClose,
+    PythonCall,
+    MistralCalls,
+    Marker,
+}
+
+/// The tags active in one parser mode. No tag is a prefix of another, so a
+/// full match is unambiguous.
+#[derive(Debug, Clone, Default)]
+pub(crate) struct TagSet {
+    tags: Vec<(&'static str, Tag)>,
+    /// `[` starts a tag (Mistral), besides `<`.
+    pub bracket: bool,
+}
+
+/// Result of looking for a tag at a `<` or `[`.
+pub(crate) enum Lookup {
+    /// A whole tag of this many bytes.
+    Full(Tag, usize),
+    /// The rest of the input is a proper prefix of a tag: wait for more.
+    Partial,
+    /// Not a tag.
+    No,
+}
+
+impl TagSet {
+    pub fn new(extra: &[(&'static str, Tag)]) -> Self {
+        let mut tags: Vec<(&'static str, Tag)> = extra.to_vec();
+        tags.extend(END_MARKERS.iter().map(|m| (*m, Tag::Marker)));
+        let bracket = tags.iter().any(|(t, _)| t.starts_with('['));
+        TagSet { tags, bracket }
+    }
+
+    /// Looks for a tag at the start of `rest` (which begins with `<` or `[`).
+    pub fn lookup(&self, rest: &str) -> Lookup {
+        let mut partial = false;
+        for &(t, tag) in &self.tags {
+            if rest.starts_with(t) {
+                return Lookup::Full(tag, t.len());
+            }
+            if rest.len() < t.len() && t.starts_with(rest) {
+                partial = true;
+            }
+        }
+        if partial {
+            Lookup::Partial
+        } else {
+            Lookup::No
+        }
+    }
+
+    /// Byte offset of the next possible tag start in `s`.
+    pub fn next_candidate(&self, s: &str) -> Option<usize> {
+        if self.bracket {
+            memchr::memchr2(b'<', b'[', s.as_bytes())
+        } else {
+            memchr::memchr(b'<', s.as_bytes())
+        }
+    }
+}

@@ -1,0 +1,247 @@
+//! Turns the body of a tool call into calls, or says it is malformed.
+//!
+//! Every parser returns `None` for anything it does not fully understand,
+//! so the caller can hand the raw text back as text.
+use serde_json::{Map, Value};
+
+use crate::ToolCall;
+
+/// A call object: `{"name": .., "arguments" | "parameters": {..}}`, also
+/// wrapped as `{"function": {..}}`. `arguments` may be an object, a string
+/// holding a JSON object, or absent/null (`{}`).
+fn call_from_value(v: &Value) -> Option<(String, String)> {
+    let obj = v.as_object()?;
+    let obj = match obj.get("function") {
+        Some(Value::Object(f)) if !obj.contains_key("name") => f,
+        _ => obj,
+    };
+    let name = obj.get("name")?.as_str()?;
+    if name.is_empty() {
+        return None;
+    }
+    let args = match obj.get("arguments").or_else(|| obj.get("parameters")) {
+        None | Some(Value::Null) => "{}".to_owned(),
+        Some(a @ Value::Object(_)) => a.to_string(),
+        Some(Value::String(s)) => match serde_json::from_str::<Value>(s) {
+            Ok(a @ Value::Object(_)) => a.to_string(),
+            _ => return None,
+        },
+        Some(_) => return None,
+    };
+    Some((name.to_owned(), args))
+}
+
+fn calls(raw: &str, found: Vec<(String, String)>) -> Vec<ToolCall> {
+    // The first call of a body carries the body's raw text, so that the raw
+    // texts of all segments still add up to the model's output.
+    found
+        .into_iter()
+        .enumerate()
+        .map(|(i, (name, arguments))| ToolCall {
+            name,
+            arguments,
+            raw: if i == 0 {
+                raw.to_owned()
+            } else {
+                String::new()
+            },
+        })
+        .collect()
+}
+
+/// One JSON call object, surrounded by optional whitespace.
+pub(crate) fn parse_json_call(body: &str) -> Option<Vec<ToolCall>> {
+    let v: Value = serde_json::from_str(body).ok()?;
+    Some(calls(body, vec![call_from_value(&v)?]))
+}
+
+/// A body inside `<tool_call>`: JSON (Hermes) or `<function=..>` (Qwen3-Coder).
+pub(crate) fn parse_tagged_body(body: &str) -> Option<Vec<ToolCall>> {
+    let t = body.trim_start();
+    if t.starts_with("<function=") {
+        let (name, args) = parse_xml_function(body.trim())?;
+        Some(calls(body, vec![(name, args)]))
+    } else {
+        parse_json_call(body)
+    }
+}
+
+/// `<function=NAME>` then `<parameter=P>value</parameter>`* then `</function>`.
+/// Values are JSON when they parse as JSON, else strings; one leading and one
+/// trailing newline around a value belong to the format and are dropped. A
+/// missing `</parameter>` ends at the next parameter or `</function>`.
+fn parse_xml_function(s: &str) -> Option<(String, String)> {
+    let rest = s.strip_prefix("<function=")?;
+    let gt = rest.find('>')?;
+    let name = rest[..gt].trim();
+    if name.is_empty() || name.contains('<') {
+        return None;
+    }
+    let mut rest = &rest[gt + 1..];
+    let mut args = Map::new();
+    loop {
+        rest = rest.trim_start();
+        if let Some(after) = rest.strip_prefix("</function>") {
+            return after
+                .trim()
+                .is_empty()
+                .then(|| (name.to_owned(), Value::Object(args).to_string()));
+        }
+        let p = rest.strip_prefix("<parameter=")?;
+        let gt = p.find('>')?;
+        let pname = p[..gt].trim();
+        if pname.is_empty() || pname.contains('<') {
+            return None;
+        }
+        let p = &p[gt + 1..];
+        let (value, next) = match p.find("</parameter>") {
+            Some(end) => (&p[..end], &p[end + "</parameter>".len()..]),
+            None => {
+                let end = [p.find("<parameter="), p.find("</function>")]
+                    .into_iter()
+                    .flatten()
+                    .min()?;
+                (&p[..end], &p[end..])
+            }
+        };
+        let value = value.strip_prefix('\n').unwrap_or(value);
+        let value = value.strip_suffix('\n').unwrap_or(value);
+        let v = serde_json::from_str::<Value>(value)
+            .unwrap_or_else(|_| Value::String(value.to_owned()));
+        args.insert(pname.to_owned(), v);
+        rest = next;
+    }
+}
+
+/// Llama 3: one or more JSON call objects separated by `;` and whitespace.
+pub(crate) fn parse_llama(body: &str) -> Option<Vec<ToolCall>> {
+    let mut found = Vec::new();
+    let mut rest = body;
+    loop {
+        rest = rest.trim_start_matches(|c: char| c.is_ascii_whitespace() || c == ';');
+        if rest.is_empty() {
+            break;
+        }
+        let mut it = serde_json::Deserializer::from_str(rest).into_iter::<Value>();
+        let v = it.next()?.ok()?;
+        found.push(call_from_value(&v)?);
+        rest = &rest[it.byte_offset()..];
+    }
+    (!found.is_empty()).then(|| calls(body, found))
+}
+
+/// Mistral: a JSON array of calls (or one call object), or the newer
+/// `name[ARGS]{json}` / `name[CALL_ID]id[ARGS]{json}` form.
+pub(crate) fn parse_mistral(body: &str) -> Option<Vec<ToolCall>> {
+    let t = body.trim();
+    if t.starts_with('[') {
+        let v: Value = serde_json::from_str(t).ok()?;
+        let found = v
+            .as_array()?
+            .iter()
+            .map(call_from_value)
+            .collect::<Option<Vec<_>>>()?;
+        return (!found.is_empty()).then(|| calls(body, found));
+    }
+    if t.starts_with('{') {
+        return parse_json_call(body);
+    }
+    let (head, args) = t.split_once("[ARGS]")?;
+    let name = head.split_once("[CALL_ID]").map_or(head, |(n, _)| n).trim();
+    if name.is_empty() || name.contains(['[', '{', '<']) {
+        return None;
+    }
+    let v: Value = serde_json::from_str(args).ok()?;
+    if !v.is_object() {
+        return None;
+    }
+    Some(calls(body, vec![(name.to_owned(), v.to_string())]))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn json_call_shapes() {
+        let c = parse_json_call(r#"{"name": "f", "arguments": {"a": 1, "b": [2]}}"#).unwrap();
+        assert_eq!(
+            (c[0].name.as_str(), c[0].arguments.as_str()),
+            ("f", r#"{"a":1,"b":[2]}"#)
+        );
+        let c = parse_json_call(r#" {"name": "f", "arguments": "{\"a\": 1}"} "#).unwrap();
+        assert_eq!(c[0].arguments, r#"{"a":1}"#);
+        let c = parse_json_call(r#"{"name": "f"}"#).unwrap();
+        assert_eq!(c[0].arguments, "{}");
+        let c = parse_json_call(r#"{"function": {"name": "g", "parameters": {"z": 0, "a": 1}}}"#)
+            .unwrap();
+        assert_eq!(
+            (c[0].name.as_str(), c[0].arguments.as_str()),
+            ("g", r#"{"z":0,"a":1}"#)
+        );
+        for bad in [
+            r#"{"arguments": {}}"#,
+            r#"{"name": ""}"#,
+            r#"{"name": 3}"#,
+            r#"{"name": "f", "arguments": [1]}"#,
+            r#"{"name": "f", "arguments": "x"}"#,
+            "{",
+            "[]",
+            "",
+        ] {
+            assert!(parse_json_call(bad).is_none(), "{bad}");
+        }
+    }
+
+    #[test]
+    fn qwen3_coder_body() {
+        let body = "\n<function=get_weather>\n<parameter=city>\nNew York\n</parameter>\n<parameter=days>\n3\n</parameter>\n<parameter=opts>\n{\"unit\": \"C\"}\n</parameter>\n</function>\n";
+        let c = parse_tagged_body(body).unwrap();
+        assert_eq!(c[0].name, "get_weather");
+        assert_eq!(
+            c[0].arguments,
+            r#"{"city":"New York","days":3,"opts":{"unit":"C"}}"#
+        );
+        assert_eq!(c[0].raw, body);
+        // Missing </parameter> ends at the next parameter.
+        let c =
+            parse_tagged_body("<function=f><parameter=a>x<parameter=b>true</function>").unwrap();
+        assert_eq!(c[0].arguments, r#"{"a":"x","b":true}"#);
+        let c = parse_tagged_body("<function=f></function>").unwrap();
+        assert_eq!(c[0].arguments, "{}");
+        for bad in [
+            "<function=f>",
+            "<function=>x</function>",
+            "<function=f><parameter=a>1</parameter>",
+            "<function=f></function> tail",
+        ] {
+            assert!(parse_tagged_body(bad).is_none(), "{bad}");
+        }
+    }
+
+    #[test]
+    fn llama_and_mistral() {
+        let c = parse_llama(
+            r#"{"name": "a", "parameters": {"x": 1}}; {"name": "b", "parameters": {}}"#,
+        )
+        .unwrap();
+        assert_eq!(c.len(), 2);
+        assert_eq!((c[1].name.as_str(), c[1].raw.as_str()), ("b", ""));
+        assert!(parse_llama("brave_search.call(query=\"x\")").is_none());
+        assert!(parse_llama(r#"{"name": "a"} trailing"#).is_none());
+        let c = parse_mistral(
+            r#"[{"name": "a", "arguments": {"x": 1}}, {"name": "b", "arguments": {}}]"#,
+        )
+        .unwrap();
+        assert_eq!((c.len(), c[0].arguments.as_str()), (2, r#"{"x":1}"#));
+        let c = parse_mistral(r#"get_weather[ARGS]{"city": "Paris"}"#).unwrap();
+        assert_eq!(
+            (c[0].name.as_str(), c[0].arguments.as_str()),
+            ("get_weather", r#"{"city":"Paris"}"#)
+        );
+        let c = parse_mistral(r#"f[CALL_ID]abc123[ARGS]{}"#).unwrap();
+        assert_eq!(c[0].name, "f");
+        assert!(parse_mistral("[]").is_none());
+        assert!(parse_mistral("hello").is_none());
+    }
+}
