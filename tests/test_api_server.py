@@ -520,9 +520,8 @@ def test_claude_code_count_tokens_matches_usage(cc_server: str) -> None:
 
 def test_without_clamping_claude_code_max_tokens_is_a_context_400(env: dict[str, Any]) -> None:
     b = fixture("agent_turn") | {"model": "scripted"}
-    assert "context" in assert_envelope(
-        post(env, b, "/v1/messages?beta=true"), 400, "invalid_request_error"
-    )
+    msg = assert_envelope(post(env, b, "/v1/messages?beta=true"), 400, "invalid_request_error")
+    assert "context" in msg and "--clamp-max-tokens" in msg
 
 
 def test_title_requests_are_capped(cc_server: str) -> None:
