@@ -428,11 +428,19 @@ def test_auth_and_size_envelopes(env: dict[str, Any]) -> None:
 
 
 def test_open_ended_request_runs_to_eos(env: dict[str, Any]) -> None:
-    # No max_tokens: the room left in the context is the cap; the model stops at EOS.
-    r = env["client"].chat.completions.create(
-        model="scripted", messages=user(say("short and done"))
-    )
-    assert r.choices[0].message.content == "short and done" and r.choices[0].finish_reason == "stop"
+    # No max_tokens: the room left (context or KV capacity, less the prompt) is the cap.
+    c = env["client"]
+    for model in ("scripted", "tight"):  # tight: a KV cache smaller than the context
+        r = c.chat.completions.create(model=model, messages=user(say("short and done")))
+        assert (
+            r.choices[0].message.content == "short and done"
+            and r.choices[0].finish_reason == "stop"
+        )
+        rr = c.responses.create(model=model, input=say("short and done"))
+        assert rr.output_text == "short and done" and rr.status == "completed"
+    with pytest.raises(openai.BadRequestError) as ctx:  # a prompt that leaves no room at all
+        c.chat.completions.create(model="tight", messages=user("word " * 2100))
+    assert ctx.value.body["code"] == "context_length_exceeded"  # type: ignore[index]
 
 
 def test_queue_full_is_429_with_retry_after(env: dict[str, Any]) -> None:
@@ -505,7 +513,9 @@ def test_default_model_free_text(default_model: Any) -> None:
     eng = Engine(default_model, num_blocks=160, max_queue=4)
     try:
         with serve(registry_for({"smol": eng})) as srv:
-            c = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+            c = openai.OpenAI(
+                base_url=srv.url + "/v1", api_key="unused", max_retries=0, timeout=120
+            )
             for prompt in ("What is the capital of France?", "Write one word about the sea."):
                 streamed, plain = both(
                     c, model="smol", temperature=0, max_completion_tokens=12, messages=user(prompt)
