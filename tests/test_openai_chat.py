@@ -507,7 +507,6 @@ def test_failure_mid_generation(env: dict[str, Any]) -> None:
 def test_default_model_free_text(default_model: Any) -> None:
     """The real SmolLM2: free text streams and folds to the same completion / response."""
     from live_server import registry_for, serve
-
     from mlx_cairn.engine import Engine
 
     eng = Engine(default_model, num_blocks=160, max_queue=4)
