@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import socket
 import threading
 import time
@@ -68,3 +69,16 @@ def registry_for(models: dict[str, Any], **kwargs: Any) -> ModelRegistry:
     return ModelRegistry(
         list(models), loader=loader, engine_factory=lambda lm: by_model[id(lm)], **kwargs
     )
+
+
+def sse_events(text: str) -> list[tuple[str, Any]]:
+    """(event name, JSON data) of each frame of an SSE body; comments are skipped."""
+    out = []
+    for frame in text.split("\n\n"):
+        lines = [ln for ln in frame.split("\n") if ln and not ln.startswith(":")]
+        if not lines:
+            continue
+        name = lines[0].removeprefix("event: ")
+        data = "\n".join(ln.removeprefix("data: ") for ln in lines[1:])
+        out.append((name, json.loads(data)))
+    return out

@@ -19,12 +19,11 @@ import anthropic
 import httpx
 import pytest
 
-from live_server import LiveServer
+from live_server import LiveServer, sse_events
 from mlx_cairn.api import ModelRegistry, ServerConfig, create_app
 from mlx_cairn.api.server import ServeError, add_arguments, build
 from mlx_cairn.engine import Engine
 from mlx_cairn.engine.testing import assert_at_rest
-from mlx_cairn.protocol.anthropic import TITLE_MAX_TOKENS
 from scripted_model import say, scripted_model
 
 TOKEN = "s3cret-token"
@@ -349,18 +348,6 @@ def test_queue_full_is_429_with_retry_after(env: dict[str, Any]) -> None:
 # ------------------------------------------------------- streams and headers
 
 
-def sse_events(text: str) -> list[tuple[str, Any]]:
-    out = []
-    for frame in text.split("\n\n"):
-        lines = [ln for ln in frame.split("\n") if ln and not ln.startswith(":")]
-        if not lines:
-            continue
-        name = lines[0].removeprefix("event: ")
-        data = "\n".join(ln.removeprefix("data: ") for ln in lines[1:])
-        out.append((name, json.loads(data)))
-    return out
-
-
 def test_pings_while_waiting_then_the_full_order(env: dict[str, Any]) -> None:
     blocker = env["blockers"]["scripted"]
     blocker.arm()
@@ -457,94 +444,6 @@ def test_json_cache_headers(env: dict[str, Any]) -> None:
     cached = int(r2.headers["x-cached-tokens"])
     assert cached > 0 and r2.json()["usage"]["cache_read_input_tokens"] == cached
     assert r1.json()["content"] == r2.json()["content"]
-
-
-# -------------------------------------------------------- Claude Code fixtures
-
-
-def fixture(name: str) -> dict[str, Any]:
-    return json.loads((FIXTURES / f"{name}.json").read_text())
-
-
-@pytest.fixture(scope="module")
-def cc_server(env: dict[str, Any]) -> Iterator[str]:
-    """The same engines behind a Claude Code-style configuration (default model, clamping)."""
-    engines = env["engines"]
-    by_model = {id(e.loaded): e for e in engines.values()}
-    registry = ModelRegistry(
-        ["scripted"],
-        default_model="",
-        loader=lambda src: engines["scripted"].loaded,
-        engine_factory=lambda lm: by_model[id(lm)],
-    )
-    srv = LiveServer(create_app(registry, ServerConfig(api_token=TOKEN, clamp_max_tokens=True)))
-    srv.start()
-    try:
-        yield srv.url
-    finally:
-        srv.stop()
-
-
-CC_HEADERS = {
-    "x-api-key": TOKEN,
-    "anthropic-version": "2023-06-01",
-    "anthropic-beta": "claude-code-20250219,interleaved-thinking-2025-05-14,fine-grained-tool-streaming-2025-05-14",
-}
-
-
-@pytest.mark.parametrize("name", ["agent_turn", "tool_followup", "title", "quota_probe"])
-def test_claude_code_fixtures_are_served(cc_server: str, name: str) -> None:
-    r = httpx.post(
-        cc_server + "/v1/messages?beta=true", json=fixture(name), headers=CC_HEADERS, timeout=30
-    )
-    assert r.status_code == 200, r.text
-    if fixture(name).get("stream"):
-        names = [n for n, _ in sse_events(r.text)]
-        assert names[0] == "message_start" and names[-1] == "message_stop"
-    else:
-        assert r.json()["type"] == "message"
-
-
-def test_claude_code_count_tokens_matches_usage(cc_server: str) -> None:
-    ct = httpx.post(
-        cc_server + "/v1/messages/count_tokens?beta=true",
-        json=fixture("count_tokens"),
-        headers=CC_HEADERS,
-        timeout=30,
-    )
-    assert ct.status_code == 200
-    full = fixture("count_tokens") | {"max_tokens": 64}
-    r = httpx.post(cc_server + "/v1/messages?beta=true", json=full, headers=CC_HEADERS, timeout=30)
-    assert r.json()["usage"]["input_tokens"] == ct.json()["input_tokens"]
-
-
-def test_without_clamping_claude_code_max_tokens_is_a_context_400(env: dict[str, Any]) -> None:
-    b = fixture("agent_turn") | {"model": "scripted"}
-    assert "context" in assert_envelope(
-        post(env, b, "/v1/messages?beta=true"), 400, "invalid_request_error"
-    )
-
-
-def test_title_requests_are_capped(cc_server: str) -> None:
-    b = fixture("title")
-    b["messages"][0]["content"] = say("word " * 100)
-    r = httpx.post(cc_server + "/v1/messages", json=b, headers=CC_HEADERS, timeout=30).json()
-    assert r["stop_reason"] == "max_tokens"
-    assert r["usage"]["output_tokens"] == TITLE_MAX_TOKENS
-
-
-def test_billing_header_nonce_does_not_break_prefix_reuse(cc_server: str) -> None:
-    a = fixture("agent_turn")
-    b = fixture("agent_turn")
-    b["system"][0]["text"] = (
-        "x-anthropic-billing-header: cc_version=2.1.3.a1b; cc_entrypoint=cli; cch=ffffffffffff;"
-    )
-    a["stream"] = b["stream"] = False
-    a["max_tokens"] = b["max_tokens"] = 8
-    httpx.post(cc_server + "/v1/messages", json=a, headers=CC_HEADERS, timeout=30)
-    r = httpx.post(cc_server + "/v1/messages", json=b, headers=CC_HEADERS, timeout=30)
-    assert r.headers["x-session-cache"] == "prefix_hit"
-    assert r.json()["usage"]["cache_read_input_tokens"] > 200
 
 
 class _FailOnce:

@@ -73,13 +73,19 @@ async def start_generation(
     engine = sm.engine
     try:
         prepared = await asyncio.to_thread(engine.prepare, chat)
-    except ContextLengthExceeded:
+    except ContextLengthExceeded as e:
         context = getattr(sm.loaded, "context_length", None)
-        if not clamp_max_tokens or not context:
+        if not context:
             raise
         room = int(context) - await asyncio.to_thread(count_prompt_tokens, sm, chat)
         if room < 1 or room >= chat.max_tokens:
             raise
+        if not clamp_max_tokens:
+            raise ContextLengthExceeded(
+                f"{e.message}; lower max_tokens to at most {room}, or start the server "
+                "with --clamp-max-tokens to generate up to the context instead",
+                param=e.param,
+            ) from None
         chat.max_tokens = room
         prepared = await asyncio.to_thread(engine.prepare, chat)
     stream = engine.submit(prepared)  # QueueFull at once when the queue is full
