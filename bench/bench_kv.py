@@ -179,7 +179,7 @@ def timed(run: Callable[[object], int], inputs: list) -> float:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--requests", type=int, default=100, help="distinct prompts per round")
-    ap.add_argument("--rounds", type=int, default=7, help="interleaved rounds (median reported)")
+    ap.add_argument("--rounds", type=int, default=15, help="interleaved rounds (median reported)")
     args = ap.parse_args()
     arrays = prompts(args.requests)
     lists = [a.tolist() for a in arrays]
