@@ -286,9 +286,9 @@ class Engine:
             self._scheduler.add(seq)
             self._counters["requests"] += 1
         for rid in cancels:
-            if (seq := self._seqs.get(rid)) is not None:
+            if (victim := self._seqs.get(rid)) is not None:
                 self._counters["cancelled"] += 1
-                self._end(seq, Error("cancelled", "the request was cancelled"))
+                self._end(victim, Error("cancelled", "the request was cancelled"))
         if closing:
             self._drain_inflight()
             for seq in list(self._seqs.values()):

@@ -112,7 +112,7 @@ class ModelRunner:
         if step.sampled is None:
             mx.eval(self.pools.arrays())
             return []
-        values = step.sampled.tolist()
+        values: list[int] = step.sampled.tolist()  # type: ignore[assignment]
         return list(zip(step.rows, values, strict=True))
 
 
