@@ -45,7 +45,8 @@ Semantics (DESIGN.md §3):
 - Bad input (unknown ids, double frees, a free block in ``insert``, huge numbers)
   raises ``ValueError``/``TypeError`` and leaves the state unchanged. Running out
   of blocks is ``None`` from ``allocate``, not an exception.
-- Hashing of long prompts runs with the GIL released.
+- Hashing of long prompts runs with the GIL released. A pool and the caches built
+  on it share one internal lock, so they may be used from several threads.
 
 ``PrefixCache.stats()`` returns ``blocks_total`` (usable blocks, ``num_blocks - 1``),
 ``blocks_free``, ``blocks_in_use``, ``blocks_cached``, ``lookups``, ``hit_tokens``,
