@@ -8,6 +8,9 @@ PIP       := $(PY) -m pip
 MATURIN   := VIRTUAL_ENV=$(abspath $(VENV)) $(abspath $(VENV))/bin/maturin
 HOST      ?= 127.0.0.1
 PORT      ?= 8080
+# `make serve` is set up for Claude Code: claude-* names go to the served model
+# and its 32k max_tokens is clamped to the context. Override to taste.
+SERVE_ARGS ?= --default-model --clamp-max-tokens
 # Seconds per fuzz target: `make fuzz` (long) and the short run inside `make test`.
 FUZZ_SECONDS       ?= 60
 FUZZ_SECONDS_SHORT ?= 10
@@ -72,8 +75,8 @@ bench: build ## Run the benchmarks (results go to bench/RESULTS.md by hand)
 	$(MATURIN) develop --release -q --extras bench
 	$(PY) bench/run_all.py
 
-serve: build ## Serve the embedded default model on $(HOST):$(PORT)
-	$(VENV)/bin/cairn serve --host $(HOST) --port $(PORT)
+serve: build ## Serve the embedded default model on $(HOST):$(PORT) (SERVE_ARGS for more flags)
+	$(VENV)/bin/cairn serve --host $(HOST) --port $(PORT) $(SERVE_ARGS)
 
 clean: ## Remove build outputs (keeps .venv)
 	cargo clean

@@ -8,7 +8,7 @@ import time
 import pytest
 
 from mlx_cairn.engine import Engine
-from mlx_cairn.engine.testing import assert_at_rest, greedy_reference
+from mlx_cairn.engine.testing import assert_at_rest, greedy_reference, reference_ids
 from mlx_cairn.errors import QueueFull
 from mlx_cairn.models.testing import tiny_model
 from mlx_cairn.types import ChatRequest, Done, Error, Message, SamplingParams, TextDelta
@@ -234,6 +234,9 @@ def test_seeded_sampling_is_independent_of_batch_neighbours(lm, make_engine):
         drain(s)
     drain(again)
     assert again.output_ids == alone.output_ids
+    # ... and what the one-sequence reference loop samples with the same seed.
+    ids = engine.prepare(req).prompt_ids
+    assert alone.output_ids == reference_ids(lm, ids, 24, params)
     other_seed = engine.submit(
         ChatRequest(
             messages=[Message("user", PROMPTS[1])],

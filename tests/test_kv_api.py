@@ -109,6 +109,26 @@ def test_block_hashes_handle() -> None:
         PrefixCache(BlockPool(8, 8), seed=3).lookup(h)
 
 
+def test_hash_blocks_extends_a_prefix() -> None:
+    cache = PrefixCache(BlockPool(8, BS), seed=6)
+    toks = list(range(23))
+    for salt in (None, "s"):
+        whole = cache.hash_blocks(toks, salt)
+        for cut in (0, 4, 8, 20):
+            head = cache.hash_blocks(toks[:cut], salt)
+            ext = cache.hash_blocks(np.asarray(toks[cut:], dtype=np.int32), prefix=head)
+            assert list(ext) == list(whole) and ext.num_tokens == 23
+    head = cache.hash_blocks(toks[:6])
+    with pytest.raises(ValueError, match="whole number"):
+        cache.hash_blocks(toks[6:], prefix=head)
+    with pytest.raises(ValueError, match="salt"):
+        cache.hash_blocks(toks[8:], "s", prefix=cache.hash_blocks(toks[:8]))
+    with pytest.raises(ValueError, match="different PrefixCache"):
+        PrefixCache(BlockPool(8, BS), seed=7).hash_blocks(toks, prefix=head)
+    with pytest.raises(TypeError):
+        cache.hash_blocks(toks, prefix=toks)  # type: ignore[arg-type]
+
+
 @pytest.mark.parametrize(
     "make",
     [

@@ -152,11 +152,23 @@ class KvMachine(RuleBasedStateMachine):
                 raise AssertionError(f"free({ids}) should have failed")
             assert self.pool.free_list() == before
 
-    @rule(tokens=prompts, salt=salts, as_array=st.booleans(), use_handle=st.booleans())
-    def lookup(self, tokens: list[int], salt: object, as_array: bool, use_handle: bool) -> None:
+    @rule(
+        tokens=prompts,
+        salt=salts,
+        as_array=st.booleans(),
+        use_handle=st.booleans(),
+        split=st.integers(0, 5),
+    )
+    def lookup(
+        self, tokens: list[int], salt: object, as_array: bool, use_handle: bool, split: int
+    ) -> None:
         arg = self._tokens(tokens, as_array)
         if use_handle:
-            got = self.cache.lookup(self.cache.hash_blocks(arg, salt))  # type: ignore[arg-type]
+            # Hash in two pieces, the second continuing the first.
+            cut = min(split, len(tokens) // BS) * BS
+            head = self.cache.hash_blocks(tokens[:cut], salt)  # type: ignore[arg-type]
+            h = self.cache.hash_blocks(arg[cut:], prefix=head)  # type: ignore[index]
+            got = self.cache.lookup(h)
         else:
             got = self.cache.lookup(arg, salt)  # type: ignore[arg-type]
         assert got == self.model.lookup(tokens, salt)

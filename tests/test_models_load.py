@@ -179,3 +179,15 @@ def test_eos_ids_are_merged_from_every_source(tmp_path):
     (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": [6, 7]}))
     back = load(str(folder))
     assert back.eos_token_ids == {5, 6, 7, lm.tokenizer.eos_token_id}
+
+
+def test_detection_can_be_overridden(tmp_path):
+    from mlx_cairn.chat import ReasoningInfo
+
+    folder = save_folder(tiny_model("qwen3"), tmp_path / "m")
+    assert load(str(folder)).parser_family == "hermes"
+    lm = load(str(folder), parser_family="qwen3_coder", reasoning=ReasoningInfo())
+    assert lm.parser_family == "qwen3_coder" and not lm.reasoning.supported
+    assert load(str(folder), parser_family=None).parser_family is None
+    with pytest.raises(ModelLoadError, match="parser family"):
+        load(str(folder), parser_family="xml")

@@ -244,8 +244,18 @@ class PrefixCache:
     def pool(self) -> BlockPool: ...
     @property
     def block_size(self) -> int: ...
-    def hash_blocks(self, tokens: _TokenIds, salt: str | bytes | None = None) -> BlockHashes:
-        """Hash every full block of ``tokens`` once, for reuse by lookup and insert."""
+    def hash_blocks(
+        self,
+        tokens: _TokenIds,
+        salt: str | bytes | None = None,
+        *,
+        prefix: BlockHashes | None = None,
+    ) -> BlockHashes:
+        """Hash every full block of ``tokens`` once, for reuse by lookup and insert.
+
+        With ``prefix`` (whose tokens end on a block boundary), ``tokens`` continue it:
+        the result equals hashing the whole sequence, at the cost of the new part only.
+        """
     def lookup(self, tokens: _TokenIds | BlockHashes, salt: str | bytes | None = None) -> list[int]:
         """Block ids of the longest cached run of full blocks, one reference taken on each.
 

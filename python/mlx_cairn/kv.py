@@ -19,6 +19,13 @@ prompts that start with the same tokens share the same physical blocks::
     cache.insert(h, blocks)              # register the full blocks
     pool.free(blocks)                    # done: blocks stay cached until re-allocated
 
+While a sequence decodes, extend its hashes block by block instead of re-hashing
+the whole prefix (``prefix`` must end on a block boundary)::
+
+    h = cache.hash_blocks(tokens[:n_full * bs], salt="tenant-a")
+    h = cache.hash_blocks(tokens[n_full * bs : (n_full + 1) * bs], prefix=h)
+    cache.insert(h, seq_blocks)          # registers the newly full block
+
 Semantics (DESIGN.md §3):
 
 - ``BlockPool.num_blocks`` counts block 0, which is never handed out.
@@ -38,7 +45,8 @@ Semantics (DESIGN.md §3):
 - Bad input (unknown ids, double frees, a free block in ``insert``, huge numbers)
   raises ``ValueError``/``TypeError`` and leaves the state unchanged. Running out
   of blocks is ``None`` from ``allocate``, not an exception.
-- Hashing of long prompts runs with the GIL released.
+- Hashing of long prompts runs with the GIL released. A pool and the caches built
+  on it share one internal lock, so they may be used from several threads.
 
 ``PrefixCache.stats()`` returns ``blocks_total`` (usable blocks, ``num_blocks - 1``),
 ``blocks_free``, ``blocks_in_use``, ``blocks_cached``, ``lookups``, ``hit_tokens``,

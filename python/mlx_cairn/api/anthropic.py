@@ -9,7 +9,7 @@ from fastapi import APIRouter, Request
 from starlette.responses import Response
 
 from mlx_cairn.api.dialects import Dialect, ModelInfo
-from mlx_cairn.api.runner import GenerationResponse, start_generation
+from mlx_cairn.api.runner import GenerationResponse, count_prompt_tokens, start_generation
 from mlx_cairn.api.state import app_state, json_response, read_json
 from mlx_cairn.protocol.anthropic import parse_count_tokens_request, parse_messages_request
 from mlx_cairn.protocol.anthropic_stream import (
@@ -93,5 +93,5 @@ async def count_tokens(request: Request) -> Response:
     state = app_state(request)
     areq = parse_count_tokens_request(await read_json(request))
     sm = await state.registry.get(areq.model)
-    n = await asyncio.to_thread(sm.engine.count_tokens, areq.chat)
-    return json_response({"input_tokens": int(n)})
+    n = await asyncio.to_thread(count_prompt_tokens, sm, areq.chat)
+    return json_response({"input_tokens": n})

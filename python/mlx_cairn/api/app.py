@@ -23,6 +23,7 @@ from mlx_cairn import __version__
 from mlx_cairn.api.auth import Gate, is_authenticated, token_digest
 from mlx_cairn.api.dialects import DialectSet, error_response, response_for
 from mlx_cairn.api.metrics import install as install_metrics
+from mlx_cairn.api.openapi import install as install_openapi
 from mlx_cairn.api.registry import ModelRegistry
 from mlx_cairn.api.state import AppState, ServerConfig, app_state, json_response
 from mlx_cairn.errors import CairnError
@@ -30,7 +31,11 @@ from mlx_cairn.errors import CairnError
 log = logging.getLogger("mlx_cairn.api")
 
 #: Dialect modules served by every app, in lookup order.
-DIALECT_MODULES: list[str] = ["mlx_cairn.api.anthropic"]
+DIALECT_MODULES: list[str] = [
+    "mlx_cairn.api.anthropic",
+    "mlx_cairn.api.openai_chat",
+    "mlx_cairn.api.openai_responses",
+]
 
 _HTTP_KINDS = {404: "not_found", 405: "invalid_request", 413: "too_large"}
 
@@ -79,6 +84,7 @@ def create_app(registry: ModelRegistry, config: ServerConfig | None = None) -> F
     # Outermost: every route, present and future, is behind the gate.
     app.add_middleware(Gate, dialects=dialects, digest=digest, max_body_bytes=config.max_body_bytes)
     install_metrics(app)  # GET /metrics (behind the gate) + a request counter around everything
+    install_openapi(app)  # request-body schemas in /openapi.json
     return app
 
 

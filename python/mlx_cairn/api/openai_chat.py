@@ -7,6 +7,9 @@ Request mapping and wire format: :mod:`mlx_cairn.protocol.openai_chat`.
 
 from __future__ import annotations
 
+import asyncio
+import dataclasses
+
 from fastapi import APIRouter, Request
 from starlette.responses import Response
 
@@ -14,6 +17,7 @@ from mlx_cairn.api.dialects import Dialect
 from mlx_cairn.api.registry import ServedModel
 from mlx_cairn.api.runner import Generation, GenerationResponse, start_generation
 from mlx_cairn.api.state import app_state, read_json
+from mlx_cairn.errors import ContextLengthExceeded
 from mlx_cairn.protocol.openai_chat import ChatCodec, parse_chat_request
 from mlx_cairn.protocol.openai_common import error_body, models_body, status_for_kind
 from mlx_cairn.types import ChatRequest
@@ -33,14 +37,31 @@ router = APIRouter()
 async def start_open_ended(
     sm: ServedModel, chat: ChatRequest, *, open_ended: bool, clamp: bool
 ) -> Generation:
-    """Submit ``chat``; without a token cap it may run to the end of the context."""
+    """Submit ``chat``; without a token cap it may run to the end of the room left.
+
+    The room is the context length, or the KV cache capacity when that is
+    smaller, less the prompt; a prompt that leaves no room is the usual 400.
+    """
     if open_ended:
-        context = getattr(sm.engine, "context_length", None) or getattr(
+        engine = sm.engine
+        limit = getattr(engine, "context_length", None) or getattr(
             sm.loaded, "context_length", None
         )
-        if context:
-            chat.max_tokens = min(chat.max_tokens, int(context))
-    return await start_generation(sm, chat, clamp_max_tokens=clamp or open_ended)
+        stats = await asyncio.to_thread(engine.stats)
+        blocks, size = stats.get("blocks_total"), stats.get("block_size")
+        if blocks and size:
+            # Conservative by one block: whether blocks_total counts the null block.
+            capacity = (int(blocks) - 1) * int(size)
+            limit = min(int(limit), capacity) if limit else capacity
+        if limit:
+            probe = dataclasses.replace(chat, max_tokens=1)
+            try:
+                prompt = await asyncio.to_thread(engine.count_tokens, probe)
+            except ContextLengthExceeded:
+                prompt = int(limit)  # not even one token fits: the usual 400 below
+            if int(limit) - prompt >= 1:
+                chat.max_tokens = min(chat.max_tokens, int(limit) - prompt)
+    return await start_generation(sm, chat, clamp_max_tokens=clamp)
 
 
 @router.post("/v1/chat/completions")

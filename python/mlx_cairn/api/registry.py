@@ -35,6 +35,9 @@ log = logging.getLogger("mlx_cairn.api")
 #: Name of the embedded default model (DESIGN.md §5).
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 
+#: File suffixes dropped to form a second name (``model.gguf`` is also ``model``).
+_MODEL_FILE_SUFFIXES = (".gguf", ".safetensors")
+
 Loader = Callable[[str | None], Any]
 EngineFactory = Callable[[Any], Any]
 
@@ -45,7 +48,7 @@ def names_for_source(source: str | None) -> list[str]:
         return [DEFAULT_MODEL_NAME]
     p = Path(source.rstrip("/"))
     names = [p.name]
-    if p.suffix and not p.is_dir():
+    if p.suffix.lower() in _MODEL_FILE_SUFFIXES and not p.is_dir():
         names.append(p.stem)
     return names
 
@@ -94,13 +97,13 @@ class ModelRegistry:
         self.aliases: dict[str, ServedModel] = {}
         self._glob_aliases: list[tuple[str, ServedModel]] = []
         for alias, target in (aliases or {}).items():
-            sm = self._by_name.get(target)
-            if sm is None:
+            found = self._by_name.get(target)
+            if found is None:
                 raise ValueError(f"alias {alias!r} points at {target!r}, which is not served")
             if any(c in alias for c in "*?["):
-                self._glob_aliases.append((alias, sm))
+                self._glob_aliases.append((alias, found))
             else:
-                self.aliases[alias] = sm
+                self.aliases[alias] = found
         self.default: ServedModel | None = None
         if default_model == "":
             self.default = self.models[0]

@@ -32,10 +32,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
-import orjson
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
@@ -43,7 +42,7 @@ from mlx_cairn.api.dialects import Dialect, error_response
 from mlx_cairn.api.metrics import observe_event
 from mlx_cairn.api.registry import ServedModel
 from mlx_cairn.errors import ContextLengthExceeded
-from mlx_cairn.protocol.base import Codec, WireEvent, encode
+from mlx_cairn.protocol.base import Codec, WireEvent, encode, json_bytes
 from mlx_cairn.protocol.sse import comment
 from mlx_cairn.types import ChatRequest, Done, Error, Event
 
@@ -74,17 +73,35 @@ async def start_generation(
     engine = sm.engine
     try:
         prepared = await asyncio.to_thread(engine.prepare, chat)
-    except ContextLengthExceeded:
+    except ContextLengthExceeded as e:
         context = getattr(sm.loaded, "context_length", None)
-        if not clamp_max_tokens or not context:
+        if not context:
             raise
-        room = int(context) - await asyncio.to_thread(engine.count_tokens, chat)
+        room = int(context) - await asyncio.to_thread(count_prompt_tokens, sm, chat)
         if room < 1 or room >= chat.max_tokens:
             raise
+        if not clamp_max_tokens:
+            raise ContextLengthExceeded(
+                f"{e.message}; lower max_tokens to at most {room}, or start the server "
+                "with --clamp-max-tokens to generate up to the context instead",
+                param=e.param,
+            ) from None
         chat.max_tokens = room
         prepared = await asyncio.to_thread(engine.prepare, chat)
     stream = engine.submit(prepared)  # QueueFull at once when the queue is full
     return Generation(stream, int(prepared.num_prompt_tokens), sm)
+
+
+def count_prompt_tokens(sm: ServedModel, chat: ChatRequest) -> int:
+    """Prompt tokens of ``chat`` (== usage.input_tokens), even when it exceeds the context.
+
+    A conversation longer than the context still has a size, and clients use
+    it to decide when to compact; it is the prompt the engine would build.
+    """
+    try:
+        return int(sm.engine.count_tokens(replace(chat, max_tokens=1)))
+    except ContextLengthExceeded:
+        return len(sm.loaded.prompt(chat).ids)
 
 
 class _Disconnected(Exception):
@@ -137,9 +154,8 @@ class GenerationResponse(Response):
         """The next Event, None on timeout; raises _Disconnected when the client left."""
         if self._pending is None:
             self._pending = asyncio.ensure_future(_anext(self._events))
-        done, _ = await asyncio.wait(
-            {self._pending, watcher}, timeout=timeout, return_when=asyncio.FIRST_COMPLETED
-        )
+        waiting: set[asyncio.Future[Any]] = {self._pending, watcher}
+        done, _ = await asyncio.wait(waiting, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
         if self._pending in done:
             fut, self._pending = self._pending, None
             ev = fut.result()
@@ -228,7 +244,7 @@ class GenerationResponse(Response):
             wire += self.codec.feed(ev)
             if isinstance(ev, Done):
                 break
-        body = orjson.dumps(self.codec.fold(wire))
+        body = json_bytes(self.codec.fold(wire))
         cached = ev.usage.cached_tokens
         headers = [
             (b"content-type", b"application/json"),

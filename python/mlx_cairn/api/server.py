@@ -6,8 +6,11 @@ import argparse
 import ipaddress
 import logging
 import os
+import signal
 import sys
+import threading
 from pathlib import Path
+from types import FrameType
 
 from mlx_cairn.api.registry import ModelRegistry
 from mlx_cairn.api.state import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_TOKENS_LIMIT, ServerConfig
@@ -159,12 +162,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="when prompt + max_tokens exceed the context, generate up to the context "
         "instead of answering 400 (useful for Claude Code, which asks for 32k)",
     )
+    p.add_argument(
+        "--shutdown-grace",
+        type=float,
+        default=5.0,
+        metavar="SECONDS",
+        help="on SIGTERM / Ctrl-C, time for running generations to finish before they are "
+        "ended with an error event",
+    )
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
 
 
 def run(args: argparse.Namespace) -> int:
     """Entry point of ``cairn serve``."""
-    import uvicorn
 
     from mlx_cairn.api.app import create_app
 
@@ -184,14 +194,58 @@ def run(args: argparse.Namespace) -> int:
         args.port,
         "token" if config.api_token else "none",
     )
-    try:
-        uvicorn.run(
-            app,
-            host=args.host,
-            port=args.port,
-            log_level=args.log_level,
-            timeout_graceful_shutdown=5,
-        )
-    finally:
-        registry.close()
+    _serve(app, registry, args)
     return 0
+
+
+#: After the grace period, uvicorn gets this long to send the final error frames.
+_FLUSH_SECONDS = 5.0
+
+
+def _serve(app: object, registry: ModelRegistry, args: argparse.Namespace) -> None:
+    """Run uvicorn until SIGTERM / Ctrl-C, then shut down so that every stream ends properly.
+
+    On the first signal uvicorn stops accepting connections and waits for the
+    open ones. In-flight generations get ``--shutdown-grace`` seconds to
+    finish; then the engines are closed, which ends every generation still
+    running with an Error event, so each client sees its dialect's ``error``
+    frame (or a 500 envelope) instead of a cut connection. A clean shutdown
+    exits 0.
+    """
+    import uvicorn
+
+    grace = float(args.shutdown_grace)
+    timers: list[threading.Timer] = []
+
+    class Server(uvicorn.Server):
+        def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+            first = not self.should_exit
+            super().handle_exit(sig, frame)
+            if first:
+                timer = threading.Timer(grace, registry.close)
+                timer.daemon = True
+                timers.append(timer)
+                timer.start()
+
+    config = uvicorn.Config(
+        app,  # type: ignore[arg-type]
+        host=args.host,
+        port=args.port,
+        log_level=args.log_level,
+        timeout_graceful_shutdown=int(grace + _FLUSH_SECONDS),
+    )
+    # uvicorn re-raises the signal it shut down for once it is done, which
+    # would kill the process with it; after a clean shutdown that is a no-op.
+    previous = {sig: signal.signal(sig, _ignore) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        Server(config).run()
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        for timer in timers:
+            timer.cancel()
+        registry.close()
+
+
+def _ignore(sig: int, frame: FrameType | None) -> None:
+    return None

@@ -12,6 +12,7 @@ from starlette.responses import Response
 from mlx_cairn.api.dialects import DialectSet
 from mlx_cairn.api.registry import ModelRegistry
 from mlx_cairn.errors import InvalidRequest
+from mlx_cairn.protocol.base import json_bytes
 
 #: Default request-body limit (Claude Code sends long conversations).
 DEFAULT_MAX_BODY_BYTES = 32 * 1024 * 1024
@@ -60,4 +61,4 @@ async def read_json(request: Request) -> Any:
 
 def json_response(body: Any, status: int = 200, headers: dict[str, str] | None = None) -> Response:
     """A JSON response encoded with orjson."""
-    return Response(orjson.dumps(body), status, headers, media_type="application/json")
+    return Response(json_bytes(body), status, headers, media_type="application/json")

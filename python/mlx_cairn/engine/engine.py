@@ -20,6 +20,7 @@ leave through each request's :class:`~mlx_cairn.engine.stream.RequestStream`.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import itertools
 import logging
 import threading
@@ -38,7 +39,7 @@ from mlx_cairn.engine.paged import (
     KVPools,
     available_memory_bytes,
 )
-from mlx_cairn.engine.runner import ModelRunner
+from mlx_cairn.engine.runner import InFlight, ModelRunner
 from mlx_cairn.engine.scheduler import Scheduler
 from mlx_cairn.engine.sequence import PreparedRequest, Sequence
 from mlx_cairn.engine.stream import RequestStream
@@ -134,6 +135,7 @@ class Engine:
         self._closing = False
         self._ids = itertools.count(1)
         self._seqs: dict[int, Sequence] = {}  # engine thread only
+        self._inflight: InFlight | None = None  # the launched, not yet finalized step
         self._counters = {"requests": 0, "completed": 0, "failed": 0, "cancelled": 0}
         self._generated_tokens = 0
         self._stats: dict[str, Any] = {}
@@ -268,7 +270,13 @@ class Engine:
     def _serve_once(self) -> bool:
         """Wait for work, apply arrivals and cancels, run one step. False once closed."""
         with self._lock:
-            while not (self._inbox or self._cancels or self._closing or self._scheduler.has_work()):
+            while not (
+                self._inbox
+                or self._cancels
+                or self._closing
+                or self._inflight is not None
+                or self._scheduler.has_work()
+            ):
                 self._lock.wait()
             inbox, self._inbox = self._inbox, []
             cancels, self._cancels = self._cancels, set()
@@ -278,10 +286,11 @@ class Engine:
             self._scheduler.add(seq)
             self._counters["requests"] += 1
         for rid in cancels:
-            if (seq := self._seqs.get(rid)) is not None:
+            if (victim := self._seqs.get(rid)) is not None:
                 self._counters["cancelled"] += 1
-                self._end(seq, Error("cancelled", "the request was cancelled"))
+                self._end(victim, Error("cancelled", "the request was cancelled"))
         if closing:
+            self._drain_inflight()
             for seq in list(self._seqs.values()):
                 self._end(seq, Error("internal", "the engine was closed"))
             self._snapshot_stats()
@@ -290,6 +299,7 @@ class Engine:
             self._step()
         except Exception as e:  # a bug outside the forward pass: fail everyone, go on
             log.exception("engine step failed")
+            self._drain_inflight()
             for seq in list(self._seqs.values()):
                 self._counters["failed"] += 1
                 self._end(seq, Error("internal", f"engine error: {e}"))
@@ -297,39 +307,65 @@ class Engine:
         return True
 
     def _step(self) -> None:
+        """Launch the next step, then finalize the previous one (see runner.py)."""
         sched = self._scheduler
         plan = sched.schedule()
-        if not plan:
-            if sched.waiting and not sched.running:
-                # Cannot happen with the capacity check in prepare(); never spin on it.
-                seq = sched.waiting[0]
-                self._end(seq, Error("internal", "the request does not fit in the KV cache"))
+        launched: InFlight | None = None
+        if plan:
+            now = time.perf_counter()
+            for seq in plan.sequences():
+                if seq.t_admit == 0.0:
+                    seq.t_admit = now
+                    with self._lock:
+                        self._queued -= 1
+            try:
+                if self._fault_hook is not None:
+                    self._fault_hook()
+                launched = self._runner.launch(plan)
+            except Exception as e:
+                log.warning("step failed for %d request(s): %s", len(plan.sequences()), e)
+                for seq in plan.sequences():
+                    self._counters["failed"] += 1
+                    self._end(seq, Error("internal", f"generation failed: {e}"))
+                self._recover_pools()
+        elif self._inflight is None and sched.waiting and not sched.running:
+            # Cannot happen with the capacity check in prepare(); never spin on it.
+            seq = sched.waiting[0]
+            self._end(seq, Error("internal", "the request does not fit in the KV cache"))
+        previous, self._inflight = self._inflight, launched
+        if previous is not None:
+            self._finalize(previous)
+
+    def _finalize(self, step: InFlight) -> None:
+        """Read a launched step's tokens back and turn them into Events."""
+        try:
+            results = self._runner.finalize(step)
+        except Exception as e:  # the device computation itself failed
+            log.exception("a launched step failed")
+            for seq in step.plan.sequences():
+                if self._seqs.get(seq.request_id) is seq:
+                    self._counters["failed"] += 1
+                    self._end(seq, Error("internal", f"generation failed: {e}"))
+            self._drain_inflight()
+            self._recover_pools()
             return
         now = time.perf_counter()
-        for seq in plan.sequences():
-            if seq.t_admit == 0.0:
-                seq.t_admit = now
-                with self._lock:
-                    self._queued -= 1
-        try:
-            if self._fault_hook is not None:
-                self._fault_hook()
-            results = self._runner.run(plan)
-        except Exception as e:
-            log.warning("step failed for %d request(s): %s", len(plan.sequences()), e)
-            self._recover_pools()
-            for seq in plan.sequences():
-                self._counters["failed"] += 1
-                self._end(seq, Error("internal", f"generation failed: {e}"))
-            return
-        t = time.perf_counter()
-        for seq in plan.decode:
-            sched.advance(seq, 1)
-        for seq, n in plan.prefill:
-            sched.advance(seq, n)
-            seq.prefill_s += t - now
         for seq, token in results:
-            self._on_token(seq, token, t)
+            if self._seqs.get(seq.request_id) is not seq:
+                continue  # ended (cancelled, failed, finished) while in flight
+            seq.inflight.popleft()
+            seq.tokens.append(token)
+            self._scheduler.register(seq)
+            self._on_token(seq, token, now)
+
+    def _drain_inflight(self) -> None:
+        """Wait for (and drop) a launched step."""
+        step, self._inflight = self._inflight, None
+        if step is not None:
+            with contextlib.suppress(Exception):
+                self._runner.finalize(step)
+            for seq in step.rows:
+                seq.inflight.clear()
 
     def _recover_pools(self) -> None:
         # Writes of a failed step may still be pending in the pool graphs; they
@@ -338,6 +374,7 @@ class Engine:
             mx.eval(self._pools.arrays())
         except Exception:  # pragma: no cover - the graph itself is broken
             log.exception("KV pools could not be evaluated; rebuilding them")
+            self._inflight = None
             for seq in list(self._seqs.values()):
                 self._end(seq, Error("internal", "the KV cache was reset"))
             p = self._pools
@@ -350,9 +387,6 @@ class Engine:
             self._scheduler.pool, self._scheduler.cache = self._pool, self._cache
 
     def _on_token(self, seq: Sequence, token: int, now: float) -> None:
-        if seq.request_id not in self._seqs:
-            return
-        seq.tokens.append(token)
         self._generated_tokens += 1
         if seq.t_first_token == 0.0:
             seq.t_first_token = now
@@ -394,7 +428,9 @@ class Engine:
         timings = Timings(
             queue_ms=1000 * (seq.t_admit - seq.t_submit) if seq.t_admit else 0.0,
             ttft_ms=1000 * (first - seq.t_submit),
-            prefill_tokens_per_s=(prompt - cached) / seq.prefill_s if seq.prefill_s > 0 else 0.0,
+            prefill_tokens_per_s=(prompt - cached) / (first - seq.t_admit)
+            if seq.t_admit > 0 and first > seq.t_admit
+            else 0.0,
             decode_tokens_per_s=decode_n / (now - first) if decode_n > 0 and now > first else 0.0,
         )
         usage = Usage(input_tokens=prompt, output_tokens=seq.num_output, cached_tokens=cached)

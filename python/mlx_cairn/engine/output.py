@@ -10,15 +10,12 @@ the output parser (reasoning / tool-call tags) over each decoded chunk::
 
 from __future__ import annotations
 
+import secrets
 from typing import Any
 
 from mlx_cairn.engine.sequence import PreparedRequest
+from mlx_cairn.text import TextPipeline
 from mlx_cairn.types import Event, ReasoningDelta, TextDelta, ToolCall
-
-try:  # the Rust text pipeline
-    from mlx_cairn.text import TextPipeline  # type: ignore[attr-defined]
-except ImportError:  # pragma: no cover - only while the extension lacks it
-    TextPipeline = None
 
 
 class SequenceOutput:
@@ -26,13 +23,12 @@ class SequenceOutput:
 
     def __init__(self, tokenizer: Any, prepared: PreparedRequest) -> None:
         self._detok = tokenizer.detokenizer()
-        self._pipeline: Any = None
-        if TextPipeline is not None:
-            self._pipeline = TextPipeline(
-                stop=list(prepared.request.stop),
-                parser=prepared.parser_family,
-                reasoning=prepared.reasoning,
-            )
+        self._pipeline = TextPipeline(
+            list(prepared.request.stop),
+            family=prepared.parser_family,
+            reasoning=prepared.reasoning,
+            starts_in_reasoning=prepared.in_reasoning and prepared.reasoning,
+        )
         self.saw_tool_call = False
 
     def push(self, token_id: int) -> tuple[list[Event], str | None]:
@@ -48,19 +44,21 @@ class SequenceOutput:
         return events
 
     def _feed(self, text: str, *, final: bool) -> tuple[list[Event], str | None]:
-        if self._pipeline is None:
-            return ([TextDelta(text)] if text else []), None
         segments, matched = self._pipeline.push(text) if text else ([], None)
-        events = [_event(s) for s in segments]
         if final and matched is None:
-            events += [_event(s) for s in self._pipeline.flush()]
+            segments = [*segments, *self._pipeline.flush()]
+        events = [_event(s) for s in segments if s.kind == "tool_call" or s.text]
         if any(isinstance(e, ToolCall) for e in events):
             self.saw_tool_call = True
-        return [e for e in events if e is not None], matched
+        return events, matched
 
 
 def _event(seg: Any) -> Event:
-    """Map a pipeline segment to an Event (segments may already be Events)."""
-    if isinstance(seg, (TextDelta, ReasoningDelta, ToolCall)):
-        return seg
+    """Map a pipeline ``Segment`` to an Event."""
+    if seg.kind == "text":
+        return TextDelta(seg.text)
+    if seg.kind == "reasoning":
+        return ReasoningDelta(seg.text)
+    if seg.kind == "tool_call":
+        return ToolCall(f"call_{secrets.token_hex(12)}", seg.name or "", seg.arguments or "{}")
     raise TypeError(f"unexpected text pipeline segment {seg!r}")

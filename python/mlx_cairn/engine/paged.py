@@ -102,39 +102,55 @@ class KVPools:
 class PagedKVCache:
     """The :class:`mlx_cairn.models.base.KVCache` view of one forward call over the pools.
 
+    Rows may carry fewer than L new tokens (``lengths``): their tail is padding
+    whose K/V go to the null block and whose outputs the caller ignores::
+
+        row 0:  t t t t t      lengths[0] = 5
+        row 1:  t t . . .      lengths[1] = 2   ('.' = pad, written to block 0)
+
     Args:
         pools: the KV pools.
         block_tables: per row, the block ids covering positions
-            ``0 .. offsets[b] + length - 1`` (already allocated).
+            ``0 .. offsets[b] + lengths[b] - 1`` (already allocated).
         offsets: per row, the position of its first new token.
-        length: new tokens per row (L).
+        lengths: new tokens per row (an int: the same L for every row).
     """
 
     def __init__(
-        self, pools: KVPools, block_tables: Seq[Seq[int]], offsets: Seq[int], length: int
+        self,
+        pools: KVPools,
+        block_tables: Seq[Seq[int]],
+        offsets: Seq[int],
+        lengths: int | Seq[int],
     ) -> None:
         bs = pools.block_size
         self.pools = pools
-        self.length = length
         batch = len(block_tables)
-        ctx = np.asarray(offsets, dtype=np.int64) + length  # tokens to attend per row
-        nblk = int(max((c + bs - 1) // bs for c in ctx))
+        lens = np.full(batch, lengths) if isinstance(lengths, int) else np.asarray(lengths)
+        length = int(lens.max())
+        self.length = length
+        offs = np.asarray(offsets, dtype=np.int64)
+        ctx = offs + lens  # tokens each row attends to
+        nblk = int(((offs + length + bs - 1) // bs).max())
         tables = np.zeros((batch, nblk), dtype=np.int32)  # pad with the null block
         for b, t in enumerate(block_tables):
             need = (int(ctx[b]) + bs - 1) // bs
             if len(t) < need:
                 raise ValueError(f"row {b}: {len(t)} blocks cannot hold {int(ctx[b])} tokens")
             tables[b, :need] = t[:need]
-        # Write slots of the new tokens, row-major over [B, L].
-        pos = np.asarray(offsets, dtype=np.int64)[:, None] + np.arange(length)[None, :]
-        self._w_block = mx.array(np.take_along_axis(tables, pos // bs, axis=1).reshape(-1))
+        # Write slots of the new tokens, row-major over [B, L]; padding -> block 0.
+        steps = np.arange(length)[None, :]
+        pos = offs[:, None] + steps
+        real = steps < lens[:, None]
+        w_block = np.where(real, np.take_along_axis(tables, pos // bs, axis=1), 0)
+        self._w_block = mx.array(w_block.reshape(-1).astype(np.int32))
         self._w_row = mx.array((pos % bs).reshape(-1).astype(np.int32))
         self._tables = mx.array(tables)
         # Mask [B, 1, L, T]: key t visible to query i of row b iff t <= offsets[b] + i.
-        total = nblk * bs
-        key_pos = np.arange(total)[None, None, :]
+        # (Pad queries see real keys too, so no row of the softmax is empty.)
+        key_pos = np.arange(nblk * bs)[None, None, :]
         self._mask = mx.array((key_pos <= pos[:, :, None])[:, None, :, :])
-        self._offsets = mx.array(np.asarray(offsets, dtype=np.int32))
+        self._offsets = mx.array(offs.astype(np.int32))
 
     @property
     def offsets(self) -> mx.array:
@@ -148,12 +164,16 @@ class PagedKVCache:
         p = self.pools
         b, h, n, d = keys.shape
         # [B, kvh, L, hd] -> [B*L, kvh, hd], matching the row-major write slots.
-        k_rows = keys.transpose(0, 2, 1, 3).reshape(b * n, h, d).astype(p.dtype)
-        v_rows = values.transpose(0, 2, 1, 3).reshape(b * n, h, d).astype(p.dtype)
+        k_rows = _as(keys.transpose(0, 2, 1, 3).reshape(b * n, h, d), p.dtype)
+        v_rows = _as(values.transpose(0, 2, 1, 3).reshape(b * n, h, d), p.dtype)
         # In-place scatter: the pool array is donated, nothing is copied.
         p.k[layer][self._w_block, self._w_row] = k_rows
         p.v[layer][self._w_block, self._w_row] = v_rows
         # [B, nblk, bs, kvh, hd] -> [B, kvh, nblk*bs, hd]
         k_all = p.k[layer][self._tables].reshape(b, -1, h, d).transpose(0, 2, 1, 3)
         v_all = p.v[layer][self._tables].reshape(b, -1, h, d).transpose(0, 2, 1, 3)
-        return k_all.astype(keys.dtype), v_all.astype(values.dtype), self._mask
+        return _as(k_all, keys.dtype), _as(v_all, values.dtype), self._mask
+
+
+def _as(x: mx.array, dtype: mx.Dtype) -> mx.array:
+    return x if x.dtype == dtype else x.astype(dtype)

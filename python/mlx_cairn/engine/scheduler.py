@@ -98,7 +98,12 @@ class Scheduler:
         """Plan one step (see the module docstring)."""
         plan = StepPlan()
         for seq in list(self.running):
-            if seq in self.running and seq.num_pending == 1 and self._grow(seq, 1, plan):
+            if (
+                seq in self.running
+                and seq.num_pending == 1
+                and seq.wants_more
+                and self._grow(seq, 1, plan)
+            ):
                 plan.decode.append(seq)
         budget = self.step_token_budget - len(plan.decode)
         for seq in list(self.running):
@@ -112,6 +117,8 @@ class Scheduler:
                 budget -= n
         while budget > 0 and self.waiting and len(self.running) < self.max_batch:
             seq = self.waiting[0]
+            if seq.inflight:  # preempted with a token in flight: recompute once it is known
+                break
             n = self._admit(seq, budget)
             if n == 0:
                 break
@@ -181,10 +188,13 @@ class Scheduler:
 
     # ------------------------------------------------------------ after a step
 
-    def advance(self, seq: Sequence, n: int) -> None:
-        """Record ``n`` more computed tokens and register newly full blocks."""
-        seq.num_computed += n
-        full = seq.num_computed // self.block_size
+    def register(self, seq: Sequence) -> None:
+        """Register ``seq``'s newly full blocks whose token ids are known.
+
+        Blocks still being written by a step in flight may be registered: any
+        later reader's graph is ordered after those writes.
+        """
+        full = min(seq.num_computed, len(seq.tokens)) // self.block_size
         if full > seq.num_registered:
             self.cache.insert(
                 seq.tokens[: full * self.block_size], seq.block_ids[:full], salt=seq.prepared.salt

@@ -1,13 +1,16 @@
 """A prepared request and the engine's per-sequence state.
 
-Token layout of a sequence (``tokens`` = prompt ids, then sampled ids)::
+Token layout of a sequence (``tokens`` = prompt ids, then sampled ids whose
+values are known; ``inflight`` = sampled tokens of steps still running on
+the device, as lazy MLX scalars)::
 
-    tokens:   p0 p1 ... p(P-1) | o0 o1 ... o(k-1)
-    computed: [0, num_computed)          KV rows already in the pool
-    pending:  [num_computed, len(tokens)) fed to the model next
-                                         (the whole rest of the prompt while
-                                          prefilling, exactly one token when
-                                          decoding)
+    tokens + inflight:  p0 ... p(P-1) | o0 ... o(k-1) | i0 i1
+    computed: [0, num_computed)            KV rows written (or being written
+                                           by a step in flight)
+    pending:  [num_computed, num_tokens)   fed to the model next: the rest of
+                                           the prompt while prefilling, exactly
+                                           one token (maybe in flight) when
+                                           decoding
 
 A preempted sequence drops its blocks and sets ``num_computed = 0``; it is
 resumed later by recomputing ``tokens`` (mostly from the prefix cache, since
@@ -17,6 +20,7 @@ its full blocks were registered as they filled).
 from __future__ import annotations
 
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -67,6 +71,8 @@ class Sequence:
     #: Prompt tokens served from the prefix cache at first admission.
     cached_tokens: int = -1
     num_preemptions: int = 0
+    #: Lazy sampled tokens of launched steps, oldest first (at most two).
+    inflight: deque[Any] = field(default_factory=deque)
     #: Per-row random stream (mlx_cairn.engine.sampler.RowSampler), created lazily.
     sampler: Any = None
     #: Text side (mlx_cairn.engine.output.SequenceOutput), created lazily.
@@ -75,7 +81,6 @@ class Sequence:
     t_submit: float = field(default_factory=time.perf_counter)
     t_admit: float = 0.0
     t_first_token: float = 0.0
-    prefill_s: float = 0.0
 
     @property
     def num_prompt(self) -> int:
@@ -83,12 +88,19 @@ class Sequence:
 
     @property
     def num_output(self) -> int:
+        """Sampled tokens whose values are known."""
         return len(self.tokens) - self.num_prompt
 
     @property
-    def num_pending(self) -> int:
-        return len(self.tokens) - self.num_computed
+    def num_tokens(self) -> int:
+        """Known tokens plus tokens still in flight."""
+        return len(self.tokens) + len(self.inflight)
 
     @property
-    def is_decoding(self) -> bool:
-        return self.num_computed > 0 and self.num_pending == 1 and self.num_output > 0
+    def num_pending(self) -> int:
+        return self.num_tokens - self.num_computed
+
+    @property
+    def wants_more(self) -> bool:
+        """Another sampled token is allowed (counting those in flight)."""
+        return self.num_tokens - self.num_prompt < self.prepared.max_tokens

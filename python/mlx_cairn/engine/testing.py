@@ -1,8 +1,8 @@
-"""Helpers for engine tests and benchmarks: a plain greedy loop and an at-rest check.
+"""Helpers for engine tests: the reference loop's tokens and an at-rest check.
 
 Example::
 
-    ref = greedy_reference(lm, prompt_ids, max_tokens=16)   # contiguous cache, one row
+    ref = greedy_reference(lm, prompt_ids, max_tokens=16)   # engine/reference.py, one row
     out = [ev for ev in engine.generate_sync(req)]
     assert_at_rest(engine)
 """
@@ -12,26 +12,26 @@ from __future__ import annotations
 import time
 from typing import Any
 
-import mlx.core as mx
-
-from mlx_cairn.models.cache import ContiguousKVCache
+from mlx_cairn.engine.reference import generate_ids
+from mlx_cairn.types import SamplingParams
 
 
 def greedy_reference(lm: Any, prompt_ids: list[int], max_tokens: int) -> list[int]:
-    """Greedy tokens of one sequence through a ContiguousKVCache (stops at EOS, which is kept)."""
-    model = lm.model
-    cache = ContiguousKVCache(model.num_layers)
-    eos = {int(t) for t in lm.eos_token_ids}
-    h = model(mx.array([prompt_ids], dtype=mx.int32), cache)
-    out: list[int] = []
-    while True:
-        tok = mx.argmax(model.logits(h[:, -1, :]), axis=-1)
-        mx.eval(tok, *cache.state)
-        t = int(tok.item())
-        out.append(t)
-        if t in eos or len(out) >= max_tokens:
-            return out
-        h = model(mx.array([[t]], dtype=mx.int32), cache)
+    """Greedy tokens of the one-sequence reference loop (EOS, if sampled, is kept)."""
+    return reference_ids(lm, prompt_ids, max_tokens, SamplingParams(temperature=0.0))
+
+
+def reference_ids(
+    lm: Any, prompt_ids: list[int], max_tokens: int, sampling: SamplingParams
+) -> list[int]:
+    """Tokens of :mod:`mlx_cairn.engine.reference` (contiguous cache, one row) for ``sampling``."""
+    return generate_ids(
+        lm.model,
+        prompt_ids,
+        max_tokens=max_tokens,
+        sampling=sampling,
+        eos_token_ids=lm.eos_token_ids,
+    )
 
 
 def wait_idle(engine: Any, timeout: float = 30.0) -> dict[str, Any]:

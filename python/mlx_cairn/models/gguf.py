@@ -24,6 +24,7 @@ import mlx.core as mx
 from mlx_cairn.chat.builtin_templates import CHATML
 from mlx_cairn.chat.gguf_tokenizer import tokenizer_from_gguf
 from mlx_cairn.errors import ModelLoadError
+from mlx_cairn.models.gguf_check import check_gguf
 from mlx_cairn.models.llama import LlamaModel, ModelArgs
 from mlx_cairn.models.loaded import LoadedModel, assemble
 from mlx_cairn.models.weights import (
@@ -107,6 +108,7 @@ def load_gguf(
     path: Path, *, dtype: str = "auto", keep_quantized: bool | None = None
 ) -> LoadedModel:
     """Load a ``.gguf`` file; unreadable or unsupported content is a :class:`ModelLoadError`."""
+    check_gguf(path)  # MLX's reader crashes the process on a corrupt file instead of raising
     try:
         raw, meta = mx.load(str(path), return_metadata=True)
     except (OSError, ValueError, RuntimeError) as e:

@@ -7,6 +7,7 @@ import logging
 import time
 from pathlib import Path
 
+from mlx_cairn.chat.detect import PARSER_FAMILIES, ReasoningInfo
 from mlx_cairn.errors import ModelLoadError, ModelNotFound
 from mlx_cairn.models.loaded import LoadedModel
 
@@ -45,7 +46,12 @@ def resolve_path(path_or_name: str | None) -> Path:
 
 
 def load(
-    path_or_name: str | None = None, *, dtype: str = "auto", keep_quantized: bool | None = None
+    path_or_name: str | None = None,
+    *,
+    dtype: str = "auto",
+    keep_quantized: bool | None = None,
+    parser_family: str | None = "auto",
+    reasoning: ReasoningInfo | None = None,
 ) -> LoadedModel:
     """Load a model: None (the embedded default), an HF/MLX folder, or a ``.gguf`` file.
 
@@ -53,7 +59,13 @@ def load(
     checkpoint dtype on GPU), or "float32" / "float16" / "bfloat16".
     ``keep_quantized``: None keeps quantized weights on GPU and dequantizes
     them on CPU; True / False force either.
+    ``parser_family`` / ``reasoning`` override what is detected from the
+    template ("auto" / None: detect).
     """
+    if parser_family not in ("auto", None, *PARSER_FAMILIES):
+        raise ModelLoadError(
+            f"unknown parser family {parser_family!r}; use one of {', '.join(PARSER_FAMILIES)} or None"
+        )
     path = resolve_path(path_or_name)
     start = time.perf_counter()
     if path.is_dir():
@@ -68,5 +80,9 @@ def load(
         raise ModelLoadError(f"{path} is neither a model folder nor a .gguf file")
     if path_or_name is None or path_or_name in DEFAULT_NAMES:
         lm.name = "SmolLM2-135M-Instruct"
+    if parser_family != "auto":
+        lm.parser_family = parser_family
+    if reasoning is not None:
+        lm.reasoning = reasoning
     log.info("loaded %s in %.2fs", lm.name, time.perf_counter() - start)
     return lm

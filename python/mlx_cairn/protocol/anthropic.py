@@ -33,9 +33,9 @@ from mlx_cairn.types import ChatRequest, Message, SamplingParams, Tool, ToolCall
 
 BILLING_HEADER_PREFIX = "x-anthropic-billing-header:"
 #: Token cap for Claude Code's session-title requests.
-TITLE_MAX_TOKENS = 64
-MAX_STOP_SEQUENCES = 256
-MAX_STOP_SEQUENCE_CHARS = 4096
+TITLE_MAX_TOKENS = 48
+MAX_STOP_SEQUENCES = 64
+MAX_STOP_SEQUENCE_CHARS = 1024
 _MEDIA_PLACEHOLDER = "[{kind} omitted: this model reads text only]"
 
 
@@ -251,7 +251,11 @@ def _map_tool_use(block: dict[str, Any], bp: str) -> ToolCall:
         raise _fail(f"{bp}.name", "must be a non-empty string")
     if not isinstance(args, dict):
         raise _fail(f"{bp}.input", "must be an object")
-    return ToolCall(tid, name, orjson.dumps(args).decode())
+    try:
+        arguments = orjson.dumps(args).decode()
+    except TypeError:  # nested deeper than orjson writes
+        raise _fail(f"{bp}.input", "is nested too deeply") from None
+    return ToolCall(tid, name, arguments)
 
 
 def _map_user(

@@ -98,7 +98,7 @@ class AnthropicCodec:
 
     def open(self) -> list[WireEvent]:
         """``message_start`` with the prompt's token count."""
-        message = {
+        message: dict[str, Any] = {
             "id": self.message_id,
             "type": "message",
             "role": "assistant",
@@ -134,8 +134,7 @@ class AnthropicCodec:
         elif isinstance(ev, ToolCall) and not (self.allow_tools and _json_object(ev.arguments)):
             # No tools were offered (or the arguments are not a JSON object):
             # what the model wrote comes back as text, nothing is lost.
-            raw = {"name": ev.name, "arguments": _loads_or_raw(ev.arguments)}
-            self._text(orjson.dumps(raw).decode(), out)
+            self._text(_tool_call_text(ev), out)
         elif isinstance(ev, ToolCall):
             self._pending_ws = ""
             self._close(out)
@@ -222,17 +221,21 @@ class AnthropicCodec:
 
 
 def _json_object(text: str) -> bool:
+    """Whether ``text`` is a JSON object that survives a round trip (depth limits)."""
     try:
-        return isinstance(orjson.loads(text), dict)
-    except orjson.JSONDecodeError:
+        value = orjson.loads(text)
+        orjson.dumps(value)
+    except (orjson.JSONDecodeError, TypeError):
         return False
+    return isinstance(value, dict)
 
 
-def _loads_or_raw(text: str) -> Any:
+def _tool_call_text(ev: ToolCall) -> str:
+    """A tool call the response may not carry as tool_use, as the text the model meant."""
     try:
-        return orjson.loads(text)
-    except orjson.JSONDecodeError:
-        return text
+        return orjson.dumps({"name": ev.name, "arguments": orjson.loads(ev.arguments)}).decode()
+    except (orjson.JSONDecodeError, TypeError):  # not JSON, or nested beyond orjson's limit
+        return orjson.dumps({"name": ev.name, "arguments": ev.arguments}).decode()
 
 
 def fold_events(wire: list[WireEvent]) -> dict[str, Any]:

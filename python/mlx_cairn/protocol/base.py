@@ -19,7 +19,10 @@ does the rest (pings, disconnects, headers, errors).
 
 from __future__ import annotations
 
+import json
 from typing import Any, Protocol
+
+import orjson
 
 from mlx_cairn.protocol.sse import frame
 from mlx_cairn.types import Event
@@ -51,3 +54,11 @@ class Codec(Protocol):
 def encode(we: WireEvent) -> bytes:
     """SSE bytes of one wire event."""
     return frame(we[0], we[1])
+
+
+def json_bytes(obj: Any) -> bytes:
+    """Compact JSON; falls back to the stdlib encoder past orjson's nesting limit (254)."""
+    try:
+        return orjson.dumps(obj)
+    except TypeError:
+        return json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode()

@@ -12,7 +12,8 @@ the field; unknown fields are ignored):
   (auto / none / required / a named function: only that function is shown);
 - ``stop`` (string or list), ``max_completion_tokens`` (wins) or
   ``max_tokens`` (absent: up to the end of the context), ``temperature``
-  (0..2), ``top_p``, ``seed``, ``reasoning_effort``; ``n`` other than 1 is a 400.
+  (0..2), ``top_p``, ``seed``, ``reasoning_effort``, ``cache_salt`` (as in
+  vLLM: different salts share no cached prefix); ``n`` other than 1 is a 400.
 
 Wire format of a stream (one request, one choice)::
 
@@ -39,9 +40,12 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from mlx_cairn.errors import InvalidRequest
 from mlx_cairn.protocol.base import WireEvent
 from mlx_cairn.protocol.openai_common import (
+    CallIds,
     TextGate,
+    cache_salt,
     content_text,
     error_body,
     fail,
@@ -93,7 +97,7 @@ class OpenAIChatRequest:
 def parse_chat_request(body: Any, *, max_tokens_limit: int) -> OpenAIChatRequest:
     """Validate a ``POST /v1/chat/completions`` body and map it to a ChatRequest."""
     if not isinstance(body, dict):
-        raise fail("body", "request body must be a JSON object")
+        raise InvalidRequest("request body must be a JSON object")
     model = body.get("model")
     if model is None:
         raise fail("model", "field required")
@@ -150,6 +154,7 @@ def parse_chat_request(body: Any, *, max_tokens_limit: int) -> OpenAIChatRequest
         tools=tools_for_choice(tools, choice),
         tool_choice=choice if tools else None,
         reasoning=reasoning_switch(body.get("reasoning_effort"), "reasoning_effort"),
+        cache_salt=cache_salt(body),
     )
     return OpenAIChatRequest(chat, model, stream, include_usage, open_ended)
 
@@ -274,6 +279,7 @@ class ChatCodec:
         self._role_sent = False
         self._calls = 0
         self._gate = TextGate()
+        self._call_ids = CallIds()
 
     def open(self) -> list[WireEvent]:
         """Nothing: the role rides on the first delta."""
@@ -317,7 +323,7 @@ class ChatCodec:
             self._gate.drop()
             i = self._calls
             self._calls += 1
-            call_id = ev.id if ev.id.startswith("call_") else new_id("call_")
+            call_id = self._call_ids.take(ev.id)
             head = {
                 "index": i,
                 "id": call_id,

@@ -71,6 +71,21 @@ def new_id(prefix: str, n: int = 24) -> str:
     return prefix + "".join(secrets.choice(_ALNUM) for _ in range(n))
 
 
+class CallIds:
+    """``call_`` ids for one response: the engine's id when it is a fresh
+    ``call_...``, else a new random one (ids never repeat within a response)."""
+
+    def __init__(self) -> None:
+        self._used: set[str] = set()
+
+    def take(self, engine_id: str) -> str:
+        cid = engine_id if engine_id.startswith("call_") else ""
+        while not cid or cid in self._used:
+            cid = new_id("call_")
+        self._used.add(cid)
+        return cid
+
+
 def error_type(status: int) -> str:
     """The OpenAI error ``type`` for an HTTP status."""
     return _STATUS_TYPES.get(status, "server_error" if status >= 500 else "invalid_request_error")
@@ -172,6 +187,16 @@ def stop_list(raw: Any, param: str = "stop") -> list[str]:
         if len(s) > MAX_STOP_SEQUENCE_CHARS:
             raise fail(p, f"at most {MAX_STOP_SEQUENCE_CHARS} characters")
     return list(items)
+
+
+def cache_salt(body: dict[str, Any]) -> str | None:
+    """``cache_salt`` (as in vLLM): requests with different salts share no cached prefix."""
+    v = body.get("cache_salt")
+    if v is None:
+        return None
+    if not isinstance(v, str) or not v:
+        raise fail("cache_salt", "must be a non-empty string")
+    return v
 
 
 def reasoning_switch(effort: Any, param: str) -> bool | None:
@@ -279,10 +304,9 @@ def json_object(text: str) -> bool:
 def tool_call_as_text(ev: ToolCall) -> str:
     """A tool call the request did not allow, as the text the model meant."""
     try:
-        args: Any = orjson.loads(ev.arguments)
-    except orjson.JSONDecodeError:
-        args = ev.arguments
-    return orjson.dumps({"name": ev.name, "arguments": args}).decode()
+        return orjson.dumps({"name": ev.name, "arguments": orjson.loads(ev.arguments)}).decode()
+    except (orjson.JSONDecodeError, TypeError):  # not JSON, or nested beyond orjson's limit
+        return orjson.dumps({"name": ev.name, "arguments": ev.arguments}).decode()
 
 
 class TextGate:

@@ -18,7 +18,8 @@ unknown fields are ignored. Mapping:
   auto / none / required / ``{"type": "function", "name": ...}``.
 - ``max_output_tokens`` (absent: up to the end of the context),
   ``temperature`` (0..2), ``top_p``, ``reasoning.effort``, ``store``
-  (default true), ``stream``, ``metadata`` (echoed).
+  (default true), ``stream``, ``metadata`` (echoed), ``cache_salt`` (as in
+  vLLM: different salts share no cached prefix).
 """
 
 from __future__ import annotations
@@ -27,8 +28,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from mlx_cairn.errors import CairnError
+from mlx_cairn.errors import CairnError, InvalidRequest
 from mlx_cairn.protocol.openai_common import (
+    cache_salt,
     content_text,
     fail,
     function_tool,
@@ -79,7 +81,7 @@ def parse_responses_request(
 ) -> ResponsesRequest:
     """Validate a ``POST /v1/responses`` body and map it to a ChatRequest."""
     if not isinstance(body, dict):
-        raise fail("body", "request body must be a JSON object")
+        raise InvalidRequest("request body must be a JSON object")
     model = body.get("model")
     if model is None:
         raise fail("model", "field required")
@@ -135,6 +137,7 @@ def parse_responses_request(
         tools=tools_for_choice(tools, choice),
         tool_choice=choice if tools else None,
         reasoning=reasoning_switch(effort, "reasoning.effort"),
+        cache_salt=cache_salt(body),
     )
     raw_choice = body.get("tool_choice")
     echo = {
@@ -202,7 +205,8 @@ def parse_input(raw: Any, param: str = "input") -> list[Message]:
             raise fail(ip, "must be an object")
         kind = item.get("type", "message" if "role" in item else None)
         if kind == "message":
-            role = _ROLES.get(item.get("role"))  # type: ignore[arg-type]
+            raw_role = item.get("role")
+            role = _ROLES.get(raw_role) if isinstance(raw_role, str) else None
             if role is None:
                 raise fail(f"{ip}.role", f"unknown role {short(item.get('role'))}")
             text = content_text(item.get("content"), f"{ip}.content", _TEXT_PARTS)

@@ -34,6 +34,7 @@ from typing import Any
 
 from mlx_cairn.protocol.base import WireEvent
 from mlx_cairn.protocol.openai_common import (
+    CallIds,
     TextGate,
     error_type,
     json_object,
@@ -85,6 +86,7 @@ class ResponsesCodec:
         self._item: dict[str, Any] | None = None  # the open output item
         self._text = ""  # text of the open item's content part / arguments
         self._gate = TextGate()
+        self._call_ids = CallIds()
 
     def _ev(self, kind: str, **fields: Any) -> WireEvent:
         ev = {"type": kind, "sequence_number": self._seq, **fields}
@@ -207,7 +209,7 @@ class ResponsesCodec:
         )
 
     def _function_call(self, ev: ToolCall, out: list[WireEvent]) -> None:
-        call_id = ev.id if ev.id.startswith("call_") else new_id("call_")
+        call_id = self._call_ids.take(ev.id)
         item = {
             "id": new_id("fc_"),
             "type": "function_call",

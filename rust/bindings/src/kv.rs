@@ -7,10 +7,12 @@
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use cairn_kv::{BlockHash, BlockPool, ChainHasher, KvError};
-use pyo3::buffer::{ElementType, PyUntypedBuffer};
-use pyo3::exceptions::{PyIndexError, PyOverflowError, PyRuntimeError, PyTypeError, PyValueError};
+use pyo3::exceptions::{PyIndexError, PyRuntimeError, PyValueError};
 use pyo3::prelude::*;
-use pyo3::types::{PyBytes, PyDict, PyList, PyString, PyTuple};
+use pyo3::types::PyDict;
+
+mod args;
+use args::{block_ids, count_arg, int_item, int_seq, salt_bytes};
 
 /// Prompts at least this long are hashed with the GIL released.
 const DETACH_MIN_TOKENS: usize = 256;
@@ -27,129 +29,6 @@ fn lock(shared: &Shared) -> MutexGuard<'_, BlockPool> {
     // A panic inside the core is a bug that already surfaced as an exception;
     // the pool's own checks decide whether its state is still usable.
     shared.lock().unwrap_or_else(|e| e.into_inner())
-}
-
-/// A non-negative count from a Python int, as a ValueError when it is not.
-fn count_arg(obj: &Bound<'_, PyAny>, what: &str) -> PyResult<usize> {
-    match obj.extract::<i64>() {
-        Ok(v) if v >= 0 => Ok(v as usize),
-        Ok(v) => Err(PyValueError::new_err(format!(
-            "{what} must be >= 0, got {v}"
-        ))),
-        Err(e) if e.is_instance_of::<PyOverflowError>(obj.py()) => Err(PyValueError::new_err(
-            format!("{what} is out of range: {obj}"),
-        )),
-        Err(e) => Err(e),
-    }
-}
-
-fn check_range(v: i64, hi: i64, what: &str) -> PyResult<u32> {
-    if (0..hi).contains(&v) {
-        Ok(v as u32)
-    } else {
-        Err(PyValueError::new_err(format!(
-            "{what} {v} is out of range 0..{hi}"
-        )))
-    }
-}
-
-fn int_item(item: &Bound<'_, PyAny>, hi: i64, what: &str) -> PyResult<u32> {
-    match item.extract::<i64>() {
-        Ok(v) => check_range(v, hi, what),
-        Err(e) if e.is_instance_of::<PyOverflowError>(item.py()) => Err(PyValueError::new_err(
-            format!("{what} {item} is out of range 0..{hi}"),
-        )),
-        Err(_) => Err(PyTypeError::new_err(format!(
-            "{what}s must be ints, got {}",
-            item.get_type()
-                .name()
-                .map(|n| n.to_string())
-                .unwrap_or_default()
-        ))),
-    }
-}
-
-fn buffer_ints(obj: &Bound<'_, PyAny>, hi: i64, what: &str) -> PyResult<Vec<u32>> {
-    let py = obj.py();
-    let buf = PyUntypedBuffer::get(obj)?;
-    if buf.dimensions() != 1 {
-        return Err(PyValueError::new_err(format!(
-            "{what}s must be a 1-D buffer, got {} dimensions",
-            buf.dimensions()
-        )));
-    }
-    macro_rules! conv {
-        ($t:ty) => {{
-            let v = buf.as_typed::<$t>()?.to_vec(py)?;
-            v.into_iter()
-                .map(|x| match i64::try_from(x) {
-                    Ok(x) => check_range(x, hi, what),
-                    Err(_) => Err(PyValueError::new_err(format!(
-                        "{what} {x} is out of range 0..{hi}"
-                    ))),
-                })
-                .collect()
-        }};
-    }
-    match ElementType::from_format(buf.format()) {
-        ElementType::SignedInteger { bytes: 4 } => conv!(i32),
-        ElementType::UnsignedInteger { bytes: 4 } => conv!(u32),
-        ElementType::SignedInteger { bytes: 8 } => conv!(i64),
-        ElementType::UnsignedInteger { bytes: 8 } => conv!(u64),
-        ElementType::SignedInteger { bytes: 2 } => conv!(i16),
-        ElementType::UnsignedInteger { bytes: 2 } => conv!(u16),
-        _ => Err(PyTypeError::new_err(format!(
-            "{what}s buffer must hold integers (int32 preferred), got format {:?}",
-            buf.format()
-        ))),
-    }
-}
-
-/// Integers in `0..hi` from a list, tuple, integer buffer or other iterable.
-fn int_seq(obj: &Bound<'_, PyAny>, hi: i64, what: &str) -> PyResult<Vec<u32>> {
-    if let Ok(list) = obj.cast::<PyList>() {
-        return list.iter().map(|x| int_item(&x, hi, what)).collect();
-    }
-    if let Ok(t) = obj.cast::<PyTuple>() {
-        return t.iter().map(|x| int_item(&x, hi, what)).collect();
-    }
-    if obj.is_instance_of::<PyString>() || obj.is_instance_of::<PyBytes>() {
-        return Err(PyTypeError::new_err(format!(
-            "{what}s must be a list of ints or an integer buffer, not {}",
-            obj.get_type().name()?
-        )));
-    }
-    // SAFETY: PyObject_CheckBuffer only inspects the type's slots.
-    if unsafe { pyo3::ffi::PyObject_CheckBuffer(obj.as_ptr()) } != 0 {
-        return buffer_ints(obj, hi, what);
-    }
-    let it = obj.try_iter().map_err(|_| {
-        PyTypeError::new_err(format!(
-            "{what}s must be a list of ints or an integer buffer, not {}",
-            obj.get_type()
-                .name()
-                .map(|n| n.to_string())
-                .unwrap_or_default()
-        ))
-    })?;
-    it.map(|x| int_item(&x?, hi, what)).collect()
-}
-
-fn block_ids(obj: &Bound<'_, PyAny>) -> PyResult<Vec<u32>> {
-    int_seq(obj, i64::from(u32::MAX), "block id")
-}
-
-fn salt_bytes(salt: Option<&Bound<'_, PyAny>>) -> PyResult<Option<Vec<u8>>> {
-    let Some(s) = salt else { return Ok(None) };
-    if s.is_none() {
-        Ok(None)
-    } else if let Ok(s) = s.cast::<PyString>() {
-        Ok(Some(s.to_str()?.as_bytes().to_vec()))
-    } else if let Ok(b) = s.cast::<PyBytes>() {
-        Ok(Some(b.as_bytes().to_vec()))
-    } else {
-        Err(PyTypeError::new_err("salt must be str, bytes or None"))
-    }
 }
 
 /// Fixed-size KV block allocator (see `mlx_cairn.kv.BlockPool`).
@@ -231,6 +110,8 @@ pub struct PyBlockHashes {
     num_tokens: usize,
     root: u128,
     block_size: usize,
+    // Kept so that extending an empty prefix still salts the first block.
+    salt: Option<Vec<u8>>,
 }
 
 #[pymethods]
@@ -293,6 +174,54 @@ impl PyPrefixCache {
             num_tokens: toks.len(),
             root: hasher.root(),
             block_size: bs,
+            salt,
+        })
+    }
+
+    fn check_same_cache(&self, h: &PyBlockHashes) -> PyResult<()> {
+        if h.root != self.hasher.root() || h.block_size != self.block_size {
+            return Err(PyValueError::new_err(
+                "these BlockHashes come from a different PrefixCache",
+            ));
+        }
+        Ok(())
+    }
+
+    /// `prefix` followed by `tokens` (the prefix must end on a block boundary).
+    fn extend(
+        &self,
+        py: Python<'_>,
+        prefix: &PyBlockHashes,
+        tokens: &Bound<'_, PyAny>,
+    ) -> PyResult<PyBlockHashes> {
+        self.check_same_cache(prefix)?;
+        let bs = self.block_size;
+        if prefix.num_tokens % bs != 0 {
+            return Err(PyValueError::new_err(format!(
+                "prefix covers {} tokens, not a whole number of {bs}-token blocks",
+                prefix.num_tokens
+            )));
+        }
+        let toks = int_seq(tokens, TOKEN_LIMIT, "token id")?;
+        let hasher = self.hasher;
+        let run = || match prefix.hashes.last() {
+            Some(&parent) => hasher.extend(parent, &toks, bs),
+            None => hasher.hash_blocks(&toks, bs, prefix.salt.as_deref()),
+        };
+        let more = if toks.len() >= DETACH_MIN_TOKENS {
+            py.detach(run)
+        } else {
+            run()
+        };
+        let mut hashes = Vec::with_capacity(prefix.hashes.len() + more.len());
+        hashes.extend_from_slice(&prefix.hashes);
+        hashes.extend(more);
+        Ok(PyBlockHashes {
+            hashes,
+            num_tokens: prefix.num_tokens + toks.len(),
+            root: prefix.root,
+            block_size: bs,
+            salt: prefix.salt.clone(),
         })
     }
 
@@ -311,11 +240,7 @@ impl PyPrefixCache {
                     "salt is already part of these BlockHashes",
                 ));
             }
-            if h.root != self.hasher.root() || h.block_size != self.block_size {
-                return Err(PyValueError::new_err(
-                    "these BlockHashes come from a different PrefixCache",
-                ));
-            }
+            self.check_same_cache(h)?;
             return Ok(f(&h.hashes, h.num_tokens));
         }
         let h = self.compute(py, tokens, salt)?;
@@ -359,14 +284,21 @@ impl PyPrefixCache {
         self.block_size
     }
 
-    #[pyo3(signature = (tokens, salt=None))]
+    #[pyo3(signature = (tokens, salt=None, *, prefix=None))]
     fn hash_blocks(
         &self,
         py: Python<'_>,
         tokens: &Bound<'_, PyAny>,
         salt: Option<&Bound<'_, PyAny>>,
+        prefix: Option<&Bound<'_, PyBlockHashes>>,
     ) -> PyResult<PyBlockHashes> {
-        self.compute(py, tokens, salt)
+        match prefix {
+            None => self.compute(py, tokens, salt),
+            Some(_) if salt.is_some_and(|s| !s.is_none()) => Err(PyValueError::new_err(
+                "salt is already part of the prefix BlockHashes",
+            )),
+            Some(p) => self.extend(py, p.get(), tokens),
+        }
     }
 
     #[pyo3(signature = (tokens, salt=None))]

@@ -94,31 +94,72 @@ impl ChainHasher {
         assert!(block_size > 0, "block_size must be at least 1");
         let n = tokens.len() / block_size;
         let mut out = Vec::with_capacity(n);
-        let mut buf: Vec<u8> =
-            Vec::with_capacity(16 + 9 + salt.map_or(0, <[u8]>::len) + 4 * block_size);
+        if n == 0 {
+            return out;
+        }
         let mut parent = self.root;
-        for (i, block) in tokens.chunks_exact(block_size).enumerate() {
-            buf.clear();
-            buf.extend_from_slice(&parent.to_le_bytes());
-            if i == 0 {
-                // Tag + length prefix keep "no salt", "empty salt" and salts
-                // that look like token bytes apart.
-                match salt {
-                    None => buf.push(0),
-                    Some(s) => {
-                        buf.push(1);
-                        buf.extend_from_slice(&(s.len() as u64).to_le_bytes());
-                        buf.extend_from_slice(s);
-                    }
-                }
+        // Block 0: root | salt tag (| salt length | salt) | tokens. The tag and
+        // length prefix keep "no salt", "empty salt" and salts that look like
+        // token bytes apart.
+        let mut first = Vec::with_capacity(16 + 9 + salt.map_or(0, <[u8]>::len) + 4 * block_size);
+        first.extend_from_slice(&parent.to_le_bytes());
+        match salt {
+            None => first.push(0),
+            Some(s) => {
+                first.push(1);
+                first.extend_from_slice(&(s.len() as u64).to_le_bytes());
+                first.extend_from_slice(s);
             }
-            for t in block {
-                buf.extend_from_slice(&t.to_le_bytes());
+        }
+        for t in &tokens[..block_size] {
+            first.extend_from_slice(&t.to_le_bytes());
+        }
+        let h = BlockHash::from_digest(xxh3_128(&first));
+        parent = h.get();
+        out.push(h);
+        self.chain(
+            parent,
+            &tokens[block_size..n * block_size],
+            block_size,
+            &mut out,
+        );
+        out
+    }
+
+    /// Continues a chain: the hashes of the full blocks of `tokens`, which
+    /// follow the block whose hash is `parent` (the salt is already in it).
+    ///
+    /// ```
+    /// use cairn_kv::ChainHasher;
+    /// let h = ChainHasher::from_seed(1);
+    /// let all = h.hash_blocks(&[1, 2, 3, 4, 5, 6], 2, Some(b"s"));
+    /// let head = h.hash_blocks(&[1, 2], 2, Some(b"s"));
+    /// assert_eq!(h.extend(head[0], &[3, 4, 5, 6], 2), all[1..]);
+    /// ```
+    pub fn extend(&self, parent: BlockHash, tokens: &[u32], block_size: usize) -> Vec<BlockHash> {
+        assert!(block_size > 0, "block_size must be at least 1");
+        let n = tokens.len() / block_size;
+        let mut out = Vec::with_capacity(n);
+        self.chain(
+            parent.get(),
+            &tokens[..n * block_size],
+            block_size,
+            &mut out,
+        );
+        out
+    }
+
+    /// Blocks after the first: parent | tokens, written in place into one buffer.
+    fn chain(&self, mut parent: u128, tokens: &[u32], block_size: usize, out: &mut Vec<BlockHash>) {
+        let mut buf = vec![0u8; 16 + 4 * block_size];
+        for block in tokens.chunks_exact(block_size) {
+            buf[..16].copy_from_slice(&parent.to_le_bytes());
+            for (dst, t) in buf[16..].chunks_exact_mut(4).zip(block) {
+                dst.copy_from_slice(&t.to_le_bytes());
             }
             let h = BlockHash::from_digest(xxh3_128(&buf));
             parent = h.get();
             out.push(h);
         }
-        out
     }
 }

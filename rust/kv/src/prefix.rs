@@ -1,5 +1,7 @@
 //! Prefix-cache operations on the pool: `lookup` and `insert`.
 
+use std::collections::hash_map::Entry;
+
 use crate::error::KvError;
 use crate::hash::BlockHash;
 use crate::pool::{BlockId, BlockPool};
@@ -72,12 +74,14 @@ impl BlockPool {
         let mut added = 0;
         for (h, &id) in hashes.iter().zip(blocks) {
             let i = id as usize;
-            if self.hash[i].is_some() || self.table.contains_key(h) {
+            if self.hash[i].is_some() {
                 continue;
             }
-            self.table.insert(*h, id);
-            self.hash[i] = Some(*h);
-            added += 1;
+            if let Entry::Vacant(slot) = self.table.entry(*h) {
+                slot.insert(id);
+                self.hash[i] = Some(*h);
+                added += 1;
+            }
         }
         Ok(added)
     }

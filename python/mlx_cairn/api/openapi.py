@@ -1,0 +1,267 @@
+"""Request-body schemas in the server's OpenAPI document (``GET /openapi.json``).
+
+The dialect routes read raw JSON (validation lives in ``protocol/``, so each
+error names its field in the dialect's words), which leaves FastAPI nothing to
+describe. :func:`install` adds a JSON Schema for each generation route's body
+to the generated document, so client generators and API fuzzers
+(schemathesis, see tests/test_schemathesis.py) know what the routes take.
+
+The schemas describe the accepted shape loosely (unknown fields are allowed,
+as in the real APIs); the mappers stay the authority on what is valid.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+_STR = {"type": "string"}
+_NAME = {"type": "string", "minLength": 1}
+_INT = {"type": "integer"}
+_TOP_P = {"type": "number", "exclusiveMinimum": 0, "maximum": 1}
+_BOOL = {"type": "boolean"}
+_OBJ = {"type": "object"}
+_TEXT_BLOCK = {
+    "type": "object",
+    "required": ["type", "text"],
+    "properties": {"type": {"const": "text"}, "text": _STR},
+}
+_CONTENT_BLOCK = {
+    "type": "object",
+    "required": ["type"],
+    "properties": {
+        "type": {
+            "type": "string",
+            "enum": ["text", "tool_use", "tool_result", "thinking", "redacted_thinking", "image"],
+        },
+        "text": _STR,
+        "id": _STR,
+        "name": _STR,
+        "input": _OBJ,
+        "tool_use_id": _STR,
+        "content": {"anyOf": [_STR, {"type": "array", "items": _TEXT_BLOCK}]},
+        "is_error": _BOOL,
+        "thinking": _STR,
+    },
+}
+_ANTHROPIC_COMMON: dict[str, Any] = {
+    "model": _NAME,
+    "messages": {
+        "type": "array",
+        "minItems": 1,
+        "items": {
+            "type": "object",
+            "required": ["role", "content"],
+            "properties": {
+                "role": {"type": "string", "enum": ["user", "assistant"]},
+                "content": {"anyOf": [_STR, {"type": "array", "items": _CONTENT_BLOCK}]},
+            },
+        },
+    },
+    "system": {"anyOf": [_STR, {"type": "array", "items": _TEXT_BLOCK}]},
+    "tools": {
+        "type": "array",
+        "items": {
+            "type": "object",
+            "required": ["name", "input_schema"],
+            "properties": {"name": _STR, "description": _STR, "input_schema": _OBJ},
+        },
+    },
+    "tool_choice": {
+        "type": "object",
+        "required": ["type"],
+        "properties": {"type": {"enum": ["auto", "any", "tool", "none"]}, "name": _STR},
+    },
+    "thinking": {
+        "type": "object",
+        "required": ["type"],
+        "properties": {
+            "type": {"enum": ["enabled", "disabled", "adaptive"]},
+            "budget_tokens": _INT,
+        },
+    },
+}
+MESSAGES_BODY: dict[str, Any] = {
+    "type": "object",
+    "required": ["model", "max_tokens", "messages"],
+    "properties": {
+        **_ANTHROPIC_COMMON,
+        "max_tokens": {"type": "integer", "minimum": 1},
+        "stream": _BOOL,
+        "stop_sequences": {"type": "array", "items": _STR},
+        "temperature": {"type": "number", "minimum": 0, "maximum": 1},
+        "top_p": _TOP_P,
+        "top_k": {"type": "integer", "minimum": 0},
+        "metadata": _OBJ,
+    },
+}
+COUNT_TOKENS_BODY: dict[str, Any] = {
+    "type": "object",
+    "required": ["model", "messages"],
+    "properties": dict(_ANTHROPIC_COMMON),
+}
+_FUNCTION = {
+    "type": "object",
+    "required": ["name"],
+    "properties": {"name": _NAME, "description": _STR, "parameters": _OBJ},
+}
+CHAT_BODY: dict[str, Any] = {
+    "type": "object",
+    "required": ["model", "messages"],
+    "properties": {
+        "model": _NAME,
+        "messages": {
+            "type": "array",
+            "minItems": 1,
+            "items": {
+                "type": "object",
+                "required": ["role"],
+                "properties": {
+                    "role": {
+                        "type": "string",
+                        "enum": ["system", "developer", "user", "assistant", "tool"],
+                    },
+                    "content": {
+                        "anyOf": [
+                            _STR,
+                            {"type": "null"},
+                            {
+                                "type": "array",
+                                "items": {
+                                    "type": "object",
+                                    "required": ["type", "text"],
+                                    "properties": {"type": {"const": "text"}, "text": _STR},
+                                },
+                            },
+                        ]
+                    },
+                    "name": _NAME,
+                    "tool_call_id": _NAME,
+                    "tool_calls": {
+                        "type": "array",
+                        "items": {
+                            "type": "object",
+                            "required": ["id", "type", "function"],
+                            "properties": {
+                                "id": _NAME,
+                                "type": {"const": "function"},
+                                "function": {
+                                    "type": "object",
+                                    "required": ["name", "arguments"],
+                                    "properties": {"name": _NAME, "arguments": _STR},
+                                },
+                            },
+                        },
+                    },
+                },
+            },
+        },
+        "max_tokens": {"type": "integer", "minimum": 1},
+        "max_completion_tokens": {"type": "integer", "minimum": 1},
+        "stream": _BOOL,
+        "stream_options": {"type": "object", "properties": {"include_usage": _BOOL}},
+        "stop": {"anyOf": [_STR, {"type": "array", "items": _STR}]},
+        "temperature": {"type": "number", "minimum": 0, "maximum": 2},
+        "top_p": _TOP_P,
+        "seed": _INT,
+        "n": {"type": "integer", "enum": [1], "description": "only 1 is supported"},
+        "tools": {
+            "type": "array",
+            "items": {
+                "type": "object",
+                "required": ["type", "function"],
+                "properties": {"type": {"const": "function"}, "function": _FUNCTION},
+            },
+        },
+        "tool_choice": {"anyOf": [{"enum": ["auto", "none", "required"]}, _OBJ]},
+        "reasoning_effort": _STR,
+    },
+}
+RESPONSES_BODY: dict[str, Any] = {
+    "type": "object",
+    "required": ["model", "input"],
+    "properties": {
+        "model": _NAME,
+        "input": {
+            "anyOf": [
+                _STR,
+                {
+                    "type": "array",
+                    "items": {
+                        "type": "object",
+                        "properties": {
+                            "type": {"enum": ["message", "function_call", "function_call_output"]},
+                            "role": {"enum": ["system", "developer", "user", "assistant"]},
+                            "content": {"anyOf": [_STR, {"type": "array", "items": _OBJ}]},
+                            "call_id": _STR,
+                            "name": _STR,
+                            "arguments": _STR,
+                            "output": _STR,
+                        },
+                    },
+                },
+            ]
+        },
+        "instructions": _STR,
+        "max_output_tokens": {"type": "integer", "minimum": 1},
+        "temperature": {"type": "number", "minimum": 0, "maximum": 2},
+        "top_p": _TOP_P,
+        "stream": _BOOL,
+        "store": _BOOL,
+        "previous_response_id": _STR,
+        "metadata": {"type": "object", "additionalProperties": _STR},
+        "tools": {
+            "type": "array",
+            "items": {
+                "type": "object",
+                "required": ["type", "name"],
+                "properties": {
+                    "type": {"const": "function"},
+                    "name": _STR,
+                    "description": _STR,
+                    "parameters": _OBJ,
+                },
+            },
+        },
+    },
+}
+
+#: (path, method) -> request-body schema.
+BODIES: dict[tuple[str, str], dict[str, Any]] = {
+    ("/v1/messages", "post"): MESSAGES_BODY,
+    ("/v1/messages/count_tokens", "post"): COUNT_TOKENS_BODY,
+    ("/v1/chat/completions", "post"): CHAT_BODY,
+    ("/v1/responses", "post"): RESPONSES_BODY,
+}
+
+
+def install(app: Any) -> None:
+    """Make ``app.openapi()`` describe the request body of every generation route.
+
+    The token caps carry the server's ``max_tokens_limit`` and the model
+    names its served models as examples.
+    """
+    base = app.openapi
+    state = app.state.cairn
+    limit = state.config.max_tokens_limit
+    names = state.registry.names()
+
+    def openapi() -> dict[str, Any]:
+        doc: dict[str, Any] = base()  # FastAPI builds it once and caches it
+        for (path, method), schema in BODIES.items():
+            op = doc.get("paths", {}).get(path, {}).get(method)
+            if op is None or "requestBody" in op:
+                continue
+            body = copy.deepcopy(schema)
+            props = body["properties"]
+            props["model"] = {**props["model"], "examples": names}
+            for cap in ("max_tokens", "max_completion_tokens", "max_output_tokens"):
+                if cap in props:
+                    props[cap] = {**props[cap], "maximum": limit}
+            op["requestBody"] = {
+                "required": True,
+                "content": {"application/json": {"schema": body}},
+            }
+        return doc
+
+    app.openapi = openapi
