@@ -66,5 +66,11 @@ pub fn chunk(s: &str, cuts: &[u8]) -> Vec<String> {
 
 pub fn family(i: u8) -> Option<cairn_text::Family> {
     use cairn_text::Family::*;
-    [None, Some(Hermes), Some(Qwen3Coder), Some(Llama3), Some(Mistral)][i as usize % 5]
+    [
+        None,
+        Some(Hermes),
+        Some(Qwen3Coder),
+        Some(Llama3),
+        Some(Mistral),
+    ][i as usize % 5]
 }

@@ -22,7 +22,9 @@ const TAGS: [&str; 4] = ["<think>", "</think>", "<tool_call>", "</tool_call>"];
 
 /// Removes every marker once, in list order.
 fn strip_markers(s: &str) -> String {
-    END_MARKERS.iter().fold(s.to_owned(), |s, m| s.replace(m, ""))
+    END_MARKERS
+        .iter()
+        .fold(s.to_owned(), |s, m| s.replace(m, ""))
 }
 
 /// Tags and markers removed until none is left, whitespace dropped.
@@ -71,7 +73,12 @@ fuzz_target!(|inp: Input| {
             }
         }
     }
-    if inp.reasoning && matches!(family, None | Some(Family::Hermes) | Some(Family::Qwen3Coder)) {
+    if inp.reasoning
+        && matches!(
+            family,
+            None | Some(Family::Hermes) | Some(Family::Qwen3Coder)
+        )
+    {
         assert_eq!(squash(&all), squash(&text));
     }
 });
