@@ -33,12 +33,7 @@ import mlx.core as mx
 
 from mlx_cairn.engine import prepare as _prep
 from mlx_cairn.engine.output import SequenceOutput
-from mlx_cairn.engine.paged import (
-    DEFAULT_MEMORY_FRACTION,
-    MAX_MEMORY_FRACTION,
-    KVPools,
-    available_memory_bytes,
-)
+from mlx_cairn.engine.paged import KVPools, pool_blocks
 from mlx_cairn.engine.runner import InFlight, ModelRunner
 from mlx_cairn.engine.scheduler import Scheduler
 from mlx_cairn.engine.sequence import PreparedRequest, Sequence
@@ -104,7 +99,13 @@ class Engine:
         per_block = KVPools.bytes_per_block(
             model.num_layers, model.num_kv_heads, model.head_dim, block_size, kv_dtype.size
         )
-        num_blocks = self._pool_blocks(num_blocks, kv_cache_gb, per_block, block_size, max_batch)
+        num_blocks = pool_blocks(
+            per_block,
+            num_blocks=num_blocks,
+            kv_cache_gb=kv_cache_gb,
+            default_tokens=max_batch * int(loaded_model.context_length),
+            block_size=block_size,
+        )
         self.block_size = block_size
         self.max_queue = max_queue
         self.context_length = int(loaded_model.context_length)
@@ -145,37 +146,6 @@ class Engine:
         self._thread.start()
 
     # ------------------------------------------------------------ sizing
-
-    def _pool_blocks(
-        self,
-        num_blocks: int | None,
-        kv_cache_gb: float | None,
-        per_block: int,
-        block_size: int,
-        max_batch: int,
-    ) -> int:
-        avail = available_memory_bytes()
-        if num_blocks is not None:
-            want = int(num_blocks)
-        elif kv_cache_gb is not None:
-            if not (isinstance(kv_cache_gb, (int, float)) and kv_cache_gb > 0):
-                raise ValueError(f"kv_cache_gb must be positive, got {kv_cache_gb!r}")
-            want = int(kv_cache_gb * (1 << 30)) // per_block
-        else:
-            ctx = int(self.loaded.context_length)
-            enough = max_batch * (-(-ctx // block_size)) + 1
-            want = min(int(avail * DEFAULT_MEMORY_FRACTION) // per_block, enough)
-        if want < 2:
-            raise ValueError(
-                f"KV pool of {want} blocks is too small ({per_block} bytes per block, "
-                f"{avail / 2**30:.1f} GiB available)"
-            )
-        if want * per_block > avail * MAX_MEMORY_FRACTION:
-            raise ValueError(
-                f"KV pool of {want * per_block / 2**30:.2f} GiB does not fit in the "
-                f"{avail / 2**30:.2f} GiB of available memory"
-            )
-        return want
 
     # ------------------------------------------------------------ any thread
 

@@ -53,6 +53,43 @@ def available_memory_bytes() -> int:
         return 4 << 30
 
 
+def pool_blocks(
+    per_block: int,
+    *,
+    num_blocks: int | None,
+    kv_cache_gb: float | None,
+    default_tokens: int,
+    block_size: int,
+) -> int:
+    """Number of blocks for the pools: explicit, from a GiB budget, or a default.
+
+    The default is :data:`DEFAULT_MEMORY_FRACTION` of available memory, capped
+    at ``default_tokens`` (e.g. max_batch full contexts). Raises ValueError
+    when the pool would not fit in available memory or is too small.
+    """
+    avail = available_memory_bytes()
+    if num_blocks is not None:
+        want = int(num_blocks)
+    elif kv_cache_gb is not None:
+        if not (isinstance(kv_cache_gb, (int, float)) and kv_cache_gb > 0):
+            raise ValueError(f"kv_cache_gb must be positive, got {kv_cache_gb!r}")
+        want = int(kv_cache_gb * (1 << 30)) // per_block
+    else:
+        enough = -(-default_tokens // block_size) + 1
+        want = min(int(avail * DEFAULT_MEMORY_FRACTION) // per_block, enough)
+    if want < 2:
+        raise ValueError(
+            f"KV pool of {want} blocks is too small ({per_block} bytes per block, "
+            f"{avail / 2**30:.1f} GiB available)"
+        )
+    if want * per_block > avail * MAX_MEMORY_FRACTION:
+        raise ValueError(
+            f"KV pool of {want * per_block / 2**30:.2f} GiB does not fit in the "
+            f"{avail / 2**30:.2f} GiB of available memory"
+        )
+    return want
+
+
 class KVPools:
     """Per-layer K/V block pools (MLX arrays), sized once, never grown."""
 
