@@ -162,3 +162,36 @@ def test_rope_layouts_differ_but_both_run():
         layer.self_attn.rope.traditional = True
     b = _full_logits(lm.model, ids)
     assert a.shape == b.shape and not np.allclose(a, b)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_cpu_layout_gives_the_same_logits(arch):
+    from mlx.utils import tree_flatten
+
+    from mlx_cairn.models.cpu_layout import BlockedLinear, apply_cpu_layout, hf_parameters
+
+    lm = tiny_model(arch, seed=4)
+    before = dict(tree_flatten(lm.model.parameters()))
+    ids = mx.array(np.random.default_rng(3).integers(0, 384, size=(2, 9)))
+    want = np.array(lm.model.logits(lm.model(ids, _TwoRows(lm.model.num_layers))))
+    assert apply_cpu_layout(lm.model) > 0
+    mods = dict(lm.model.named_modules())
+    assert isinstance(mods["head"], BlockedLinear)
+    assert isinstance(mods["model.layers.0.mlp.gate_proj"], BlockedLinear)  # 128 out > 64 in
+    assert not isinstance(mods["model.layers.0.mlp.down_proj"], BlockedLinear)
+    got = np.array(lm.model.logits(lm.model(ids, _TwoRows(lm.model.num_layers))))
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+    after = hf_parameters(lm.model)
+    assert set(after) == set(before)
+    for k, v in before.items():
+        np.testing.assert_array_equal(np.array(after[k]), np.array(v))
+
+
+class _TwoRows:
+    """Two independent contiguous caches side by side (rows at offset 0)."""
+
+    def __init__(self, n):
+        self.offsets = mx.array([0, 0], dtype=mx.int32)
+
+    def update_and_fetch(self, layer, k, v):
+        return k, v, "causal"

@@ -15,8 +15,8 @@ import json
 from pathlib import Path
 
 import mlx.core as mx
-from mlx.utils import tree_flatten
 
+from mlx_cairn.models.cpu_layout import hf_parameters
 from mlx_cairn.models.llama import LlamaModel
 from mlx_cairn.models.loaded import LoadedModel
 
@@ -32,7 +32,7 @@ def _unpermute(w: mx.array, n_heads: int) -> mx.array:
 def dense_hf_weights(model: LlamaModel) -> dict[str, mx.array]:
     """The model's (dense) parameters under HF names, in the HF RoPE layout."""
     args = model.args
-    weights = dict(tree_flatten(model.parameters()))
+    weights = hf_parameters(model)
     if args.extra.get("rope_freqs_from_gguf"):
         raise ValueError("this GGUF's per-frequency RoPE factors have no config.json equivalent")
     if any(k.endswith(".scales") for k in weights):

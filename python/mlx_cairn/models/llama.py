@@ -240,7 +240,9 @@ class LlamaModel(nn.Module):
 
     def logits(self, hidden: mx.array) -> mx.array:
         h = self.model.norm(hidden)
-        if self.args.tie_word_embeddings:
+        if "head" in self:  # a re-laid head (models.cpu_layout)
+            out = self.head(h)
+        elif self.args.tie_word_embeddings:
             out = self.model.embed_tokens.as_linear(h)
         else:
             out = self.lm_head(h)

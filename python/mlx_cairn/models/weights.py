@@ -20,6 +20,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from mlx_cairn.errors import ModelLoadError
+from mlx_cairn.models import cpu_layout
 from mlx_cairn.models.llama import LlamaModel
 
 _DTYPES = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}
@@ -108,6 +109,8 @@ def install_weights(
     except ValueError as e:
         raise ModelLoadError(f"checkpoint does not match the architecture: {e}") from None
     mx.eval(model.parameters())
+    if spec is None and on_cpu() and cpu_layout.enabled():
+        cpu_layout.apply_cpu_layout(model)
 
 
 def weights_identity(files: Iterable[Path], extra: str) -> str:
