@@ -53,12 +53,12 @@ TOKEN = "load-test-token-" + "x" * 24
 SHARED_SYSTEM = (
     "You are a concise assistant running on a small local model. Answer in one or two "
     "sentences, plainly, without lists or headings. "
-) * 3
+) * 2
 LONG_USER = (
     "Here are some notes about trails and cairns. A cairn is a human-made pile of stones "
     "raised as a marker, a memorial or a landmark. Hikers use them above the tree line "
     "where paths are hard to see. "
-) * 8
+) * 3
 SHORT_USERS = [
     "What is a cairn?",
     "Name a colour.",
@@ -129,6 +129,9 @@ class Result:
 class Run:
     results: list[Result] = field(default_factory=list)
     health_ms: list[float] = field(default_factory=list)
+    #: (seconds since the start, ms) of every /health answer slower than 50 ms.
+    health_slow: list[tuple[float, float]] = field(default_factory=list)
+    start: float = 0.0
     health_errors: int = 0
     queue_peak: float = 0.0
     running_peak: float = 0.0
@@ -183,7 +186,7 @@ def classify(event: str | None, data: str) -> tuple[str, Any]:
         return "usage", payload.get("usage", {}).get("output_tokens", 0)
     if name == "message_stop":
         return "done", None
-    if name == "response.completed":
+    if name in ("response.completed", "response.incomplete"):  # incomplete: hit the cap
         return "done", payload["response"]["usage"]["output_tokens"]
     choices = payload.get("choices")
     if choices and (choices[0].get("delta") or {}).get("content"):
@@ -237,7 +240,7 @@ async def one_request(
                     if res.ttft is not None:
                         res.decode_s = now - t0 - res.ttft
                     return res
-        return Result(dialect, "error:truncated", res.ttft)  # no final event
+        return Result(dialect, f"error:truncated:{dialect}", res.ttft)  # no final event
 
     limit = run.drain_until - time.perf_counter()
     if drop_wait is not None and drop_wait < limit:
@@ -268,20 +271,41 @@ async def client_loop(idx: int, url: str, model: str, run: Run, seed: int) -> No
             run.results.append(await one_request(client, rng, model, dropper, run))
 
 
+#: The /health prober runs in its own process, so the load generator's busy
+#: event loop cannot add to the latency it measures.
+HEALTH_PROBE = r"""
+import json, sys, time, httpx
+url, until = sys.argv[1], time.time() + float(sys.argv[2])
+out, failed = [], 0
+with httpx.Client(base_url=url, timeout=5.0) as c:
+    while time.time() < until:
+        t = time.perf_counter()
+        try:
+            ok = c.get("/health").status_code == 200
+        except httpx.HTTPError:
+            ok = False
+        if ok:
+            out.append((time.time(), 1000 * (time.perf_counter() - t)))
+        else:
+            failed += 1
+        time.sleep(0.1)
+print(json.dumps({"samples": out, "failed": failed}))
+"""
+
+
 async def poll_health(url: str, run: Run) -> None:
-    async with httpx.AsyncClient(base_url=url, timeout=5.0) as client:
-        while time.perf_counter() < run.drain_until:
-            t = time.perf_counter()
-            try:
-                r = await client.get("/health")
-                ok = r.status_code == 200
-            except httpx.HTTPError:
-                ok = False
-            if ok:
-                run.health_ms.append(1000 * (time.perf_counter() - t))
-            else:
-                run.health_errors += 1
-            await asyncio.sleep(0.1)
+    seconds = run.drain_until - time.perf_counter()
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-c", HEALTH_PROBE, url, str(seconds), stdout=asyncio.subprocess.PIPE
+    )
+    out, _ = await proc.communicate()
+    data = json.loads(out)
+    t0 = time.time() - (time.perf_counter() - run.start)  # wall clock of the run's start
+    run.health_errors = data["failed"]
+    for wall, ms in data["samples"]:
+        run.health_ms.append(ms)
+        if ms > 50:
+            run.health_slow.append((round(wall - t0, 1), round(ms)))
 
 
 def metric(text: str, name: str) -> float:
@@ -306,7 +330,7 @@ async def poll_metrics(url: str, run: Run) -> None:
 
 async def load(url: str, model: str, args: argparse.Namespace) -> Run:
     run = Run()
-    start = time.perf_counter()
+    start = run.start = time.perf_counter()
     run.stop_at = start + args.duration
     run.drain_until = run.stop_at + args.drain
     tasks = [client_loop(i, url, model, run, args.seed) for i in range(args.clients)]
@@ -428,6 +452,8 @@ def report(run: Run, extra: dict[str, Any], args: argparse.Namespace) -> dict[st
         "health_p99_ms": pct(run.health_ms, 99),
         "health_max_ms": max(run.health_ms, default=float("nan")),
         "health_errors": run.health_errors,
+        "health_over_50ms": len(run.health_slow),
+        "health_slow_samples": run.health_slow[:40],
         **extra,
     }
     return out
@@ -464,7 +490,7 @@ def markdown(r: dict[str, Any]) -> str:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--clients", type=int, default=64)
-    p.add_argument("--duration", type=float, default=90.0, help="seconds of load")
+    p.add_argument("--duration", type=float, default=100.0, help="seconds of load")
     p.add_argument("--drain", type=float, default=20.0, help="seconds for in-flight requests after")
     p.add_argument("--model", default=None, help="model for cairn serve (default: embedded)")
     p.add_argument("--kv-cache-gb", type=float, default=None)
