@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import threading
 import time
 
@@ -246,3 +247,27 @@ def test_seeded_sampling_is_independent_of_batch_neighbours(lm, make_engine):
     )
     drain(other_seed)
     assert other_seed.output_ids != alone.output_ids
+
+
+def test_decode_never_stalls_behind_a_long_prefill(lm, make_engine):
+    engine = make_engine(step_token_budget=16)
+    trace: list[dict[int, int]] = []  # per step: request arrival -> tokens computed so far
+    engine._fault_hook = lambda: trace.append(
+        {s.arrival: s.num_computed for s in engine._scheduler.running}
+    )
+    a = engine.submit(greedy(PROMPTS[0], max_tokens=60))
+    wait_for(lambda: engine.stats()["generated_tokens"] >= 2)
+    long_prompt = greedy("word " * 150, max_tokens=4)
+    b = engine.submit(long_prompt)
+    drain(b)
+    drain(a)
+    assert a.output_ids == reference(lm, engine, greedy(PROMPTS[0], max_tokens=60))
+    ids_a, ids_b = a.request_id, b.request_id
+    prompt_b = engine.count_tokens(long_prompt)
+    prefill_steps = 0
+    for before, after in itertools.pairwise(trace):
+        if ids_b in before and before[ids_b] < prompt_b and ids_a in after:
+            prefill_steps += 1
+            assert after[ids_a] == before[ids_a] + 1  # A decoded in that step too
+            assert after.get(ids_b, 0) - before[ids_b] <= 15  # B got the rest of the budget
+    assert prefill_steps >= prompt_b // 15 - 1
