@@ -16,7 +16,7 @@ optimized BLAS loaded for every side, in one process, measured side by side:
    system part prefilled into a ``make_prompt_cache`` that is copied for
    the request, which is what ``mlx_lm.server`` does on a prefix hit).
 
-Run (about 3-4 minutes on 2 cores)::
+Run (about 4 minutes on 2 idle cores; 10-15 minutes when they are shared)::
 
     .venv/bin/python bench/bench_engine.py            # --plot bench/engine.png --json out.json
 
@@ -205,7 +205,7 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--tokens", type=int, default=32, help="generated tokens per request")
     ap.add_argument("--levels", default="1,2,4,8,16")
     ap.add_argument("--prompt-tokens", type=int, default=2500)
-    ap.add_argument("--repeats", type=int, default=3, help="single-stream / TTFT repeats")
+    ap.add_argument("--repeats", type=int, default=2, help="single-stream / TTFT repeats")
     ap.add_argument("--plot", type=Path, default=Path(__file__).parent / "engine.png")
     ap.add_argument("--json", type=Path, default=None)
     ap.add_argument(
