@@ -145,8 +145,6 @@ class Engine:
         _live_engines.add(self)
         self._thread.start()
 
-    # ------------------------------------------------------------ sizing
-
     # ------------------------------------------------------------ any thread
 
     def prepare(self, request: ChatRequest) -> PreparedRequest:
@@ -201,7 +199,16 @@ class Engine:
         return self.submit(request).iter_sync(timeout)
 
     def stats(self) -> dict[str, Any]:
-        """Counters for /health and /metrics (a snapshot taken after the last step)."""
+        """Counters for /health and /metrics (a snapshot taken after the last step).
+
+        Keys: ``queue_depth`` (submitted, not yet admitted), ``running`` /
+        ``waiting`` (admitted / queued sequences, preempted ones included),
+        ``blocks_total`` (usable), ``blocks_free`` / ``blocks_in_use`` /
+        ``blocks_cached`` (free blocks still holding a prefix), ``block_size``,
+        ``kv_cache_bytes``, ``prefix_hit_tokens``, ``preemptions``,
+        ``generated_tokens``, ``requests_total`` (= ``requests_requests``),
+        ``requests_completed`` / ``_failed`` / ``_cancelled``.
+        """
         with self._lock:
             out = dict(self._stats)
             out["queue_depth"] = self._queued
@@ -435,6 +442,7 @@ class Engine:
             "preemptions": sched.num_preemptions,
             "generated_tokens": self._generated_tokens,
             **{f"requests_{k}": v for k, v in self._counters.items()},
+            "requests_total": self._counters["requests"],
         }
         with self._lock:
             self._stats = snap
