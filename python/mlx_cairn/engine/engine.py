@@ -204,7 +204,7 @@ class Engine:
         Keys: ``queue_depth`` (submitted, not yet admitted), ``running`` /
         ``waiting`` (admitted / queued sequences, preempted ones included),
         ``blocks_total`` (usable), ``blocks_free`` / ``blocks_in_use`` /
-        ``blocks_cached`` (free blocks still holding a prefix), ``block_size``,
+        ``blocks_cached`` (registered in the prefix cache, free or in use), ``block_size``,
         ``kv_cache_bytes``, ``prefix_hit_tokens``, ``preemptions``,
         ``generated_tokens``, ``requests_total`` (= ``requests_requests``),
         ``requests_completed`` / ``_failed`` / ``_cancelled``.
