@@ -68,8 +68,13 @@ class ScriptedNet:
         hist = np.array(k_all[:, 0, :, 0]).astype(np.int64)
         offsets = np.array(cache.offsets).astype(np.int64)
         out = np.zeros((b, n, 1), dtype=np.float32)
+        # Every position gets its next token: in a batched prefill rows are
+        # right-padded to the longest chunk, and the engine reads each row's
+        # logits at its own last real position, not at the last column.
         for row in range(b):
-            out[row, -1, 0] = self.next_token(hist[row, : offsets[row] + n].tolist())
+            full = hist[row, : offsets[row] + n].tolist()
+            for j in range(n):
+                out[row, j, 0] = self.next_token(full[: offsets[row] + j + 1])
         return mx.array(out)
 
     def logits(self, hidden: mx.array) -> mx.array:
