@@ -73,6 +73,7 @@ def test_metrics_count_requests_generations_and_blocks(server):
         r3 = c.post("/v1/messages", json={"model": "scripted", "messages": []})
         r4 = c.post("/v1/messages", json=msg("x") | {"model": "no-such-model"})
         r5 = c.get("/no/such/path/" + "x" * 50)
+        r6 = c.request("BREW", "/v1/messages")
         assert_at_rest(server.engine)
         after = c.get("/metrics").text
     assert (r1.status_code, r2.status_code, r3.status_code, r4.status_code) == (200, 200, 400, 404)
@@ -90,6 +91,8 @@ def test_metrics_count_requests_generations_and_blocks(server):
     # Unknown paths share one label: a hostile URL cannot grow the label set.
     assert delta("cairn_http_requests_total", route="unmatched", method="GET", status="404") == 1
     assert not any("x" * 50 in str(k) for k in samples(after))
+    assert r6.status_code >= 400
+    assert not any("BREW" in str(k) for k in samples(after))
     assert delta("cairn_generations_total", model="scripted", outcome="end_turn") == 2
     assert delta("cairn_time_to_first_token_seconds_count", model="scripted") == 2
     assert delta("cairn_time_per_output_token_seconds_count", model="scripted") == 2

@@ -22,7 +22,8 @@ Families (``model`` is a served model's primary name)::
     cairn_engine_requests_total{model,outcome}           counter    (completed / failed / cancelled)
 
 ``route`` is the matched route's path template (``/v1/messages``), never the
-raw path, so hostile URLs cannot grow the label set; anything unmatched is
+raw path, and ``method`` is one of the standard methods or ``other``, so
+hostile requests cannot grow the label set; anything unmatched is
 ``unmatched``. Engine figures are read from ``engine.stats()`` at scrape time.
 
 Example::
@@ -51,6 +52,8 @@ TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80, 16
 #: Seconds per decoded token; 135M on CPU is ~0.07, a big model on a laptop ~0.2.
 TPOT_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.25, 0.5, 1, 2.5)
 UNMATCHED = "unmatched"
+#: Methods counted by name; any other (h11 accepts arbitrary tokens) is "other".
+METHODS = frozenset({"GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"})
 
 
 class Metrics:
@@ -187,7 +190,9 @@ class RequestCounter:
         finally:
             route = scope.get("route")
             label = getattr(route, "path", None) or UNMATCHED
-            self.metrics.requests.labels(label, scope.get("method", ""), str(status)).inc()
+            method = scope.get("method", "")
+            method = method if method in METHODS else "other"
+            self.metrics.requests.labels(label, method, str(status)).inc()
 
 
 def metrics_of(scope: Scope) -> Metrics | None:
