@@ -138,3 +138,16 @@ def test_cli_generate_default_model(capsys, default_model, monkeypatch):
     rc = main(["generate", "What is the capital of France?", "--max-tokens", "24"])
     assert rc == 0
     assert "Paris" in capsys.readouterr().out
+
+
+def test_cli_generate_stops_at_a_stop_sequence(tmp_path, capsys):
+    lm = tiny_model("llama", seed=12)
+    folder = save_folder(lm, tmp_path / "tiny")
+    base = ["generate", "Hello there", "--model", str(folder), "--max-tokens", "24"]
+    assert main(base) == 0
+    full = capsys.readouterr().out.rstrip("\n")
+    assert len(full) > 6
+    stop = full[3:6]
+    assert main([*base, "--stop", stop]) == 0
+    cut = capsys.readouterr().out.rstrip("\n")
+    assert cut == full[: full.index(stop)]
