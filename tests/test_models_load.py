@@ -206,3 +206,38 @@ def test_cpu_layout_is_applied_on_load_and_can_be_disabled(tmp_path, monkeypatch
     plain = load(str(folder))
     assert "head" not in plain.model
     np.testing.assert_array_equal(_logits(plain), _logits(lm))
+
+
+def test_mlx_quantized_folder_with_per_layer_overrides(tmp_path):
+    """mlx-community configs may keep some layers dense or use other bits for them."""
+    lm = tiny_model("qwen3", seed=8)
+    folder = save_folder(lm, tmp_path / "q", quantize=(32, 4))
+    dense = save_folder(lm, tmp_path / "d")
+    weights = mx.load(str(folder / "model.safetensors"))
+    dense_w = mx.load(str(dense / "model.safetensors"))
+    keep = "model.layers.1.mlp.down_proj"
+    eight = "model.layers.0.self_attn.q_proj"
+    for suffix in ("scales", "biases"):
+        del weights[f"{keep}.{suffix}"]
+    weights[f"{keep}.weight"] = dense_w[f"{keep}.weight"]
+    wq, s, b = mx.quantize(dense_w[f"{eight}.weight"], group_size=64, bits=8)
+    weights.update({f"{eight}.weight": wq, f"{eight}.scales": s, f"{eight}.biases": b})
+    mx.save_safetensors(str(folder / "model.safetensors"), weights)
+    config = json.loads((folder / "config.json").read_text())
+    config["quantization"].update({keep: False, eight: {"group_size": 64, "bits": 8}})
+    (folder / "config.json").write_text(json.dumps(config))
+
+    ref = dict(tree_flatten(lm.model.parameters()))
+    params = []
+    for k, v in ref.items():
+        base = k.removesuffix(".weight")
+        if k.endswith(".weight") and v.ndim == 2 and "norm" not in k and base != keep:
+            gs, bits = (64, 8) if base == eight else (32, 4)
+            v = mx.dequantize(*mx.quantize(v, group_size=gs, bits=bits), group_size=gs, bits=bits)
+        params.append((k, v))
+    lm.model.load_weights(params)
+    want = _logits(lm)
+    np.testing.assert_allclose(_logits(load(str(folder))), want, rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(
+        _logits(load(str(folder), keep_quantized=True)), want, rtol=1e-3, atol=1e-3
+    )
