@@ -114,7 +114,7 @@ def tokenizer_from_gguf(meta: dict[str, Any]) -> Tokenizer:
         )
         hf = HFTokenizer(bpe)
         add_space = bool(meta.get("tokenizer.ggml.add_space_prefix", True))
-        norms = [normalizers.Replace(" ", "\u2581")]
+        norms: list[normalizers.Normalizer] = [normalizers.Replace(" ", "\u2581")]
         if add_space:
             norms.insert(0, normalizers.Prepend("\u2581"))
         hf.normalizer = normalizers.Sequence(norms)
@@ -144,7 +144,7 @@ def tokenizer_from_gguf(meta: dict[str, Any]) -> Tokenizer:
         i = tid(key)
         return tokens[i] if i is not None and 0 <= i < len(tokens) else None
 
-    add_bos = meta.get("tokenizer.ggml.add_bos_token")
+    add_bos: Any = meta.get("tokenizer.ggml.add_bos_token")
     return Tokenizer(
         hf,
         bos_token=text("bos_token_id"),

@@ -55,7 +55,7 @@ def _strftime_now(fmt: str) -> str:
 class _GenerationTag(jinja2.ext.Extension):
     """``{% generation %}...{% endgeneration %}`` renders its body unchanged."""
 
-    tags = frozenset({"generation"})
+    tags = {"generation"}  # noqa: RUF012  (Jinja reads a class attribute)
 
     def parse(self, parser: jinja2.parser.Parser) -> jinja2.nodes.Node:
         lineno = next(parser.stream).lineno

@@ -109,7 +109,7 @@ def generate_tokens(
         if n + 1 < max_tokens:
             nxt = step(y)
             mx.async_eval(nxt)
-        tok = int(y.item())
+        tok = int(y.item())  # type: ignore[arg-type]
         if n == 0:
             t_decode = time.perf_counter()
             stats.prefill_s = t_decode - t0

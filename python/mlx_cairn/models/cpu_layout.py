@@ -81,7 +81,8 @@ def apply_cpu_layout(model: nn.Module) -> int:
 def hf_parameters(model: nn.Module) -> dict[str, mx.array]:
     """The model's parameters under HF names and layout, whatever layout it runs in."""
     out: dict[str, mx.array] = {}
-    for k, v in tree_flatten(model.parameters()):
+    flat: list[tuple[str, mx.array]] = tree_flatten(model.parameters())  # type: ignore[assignment]
+    for k, v in flat:
         if ".blocks." in k or k.startswith("head."):
             continue
         out[k] = v

@@ -105,7 +105,7 @@ def save_folder(
         "model_max_length": lm.context_length,
     }
     (out / "tokenizer_config.json").write_text(json.dumps(tok_config, indent=2))
-    gen = {"eos_token_id": sorted(lm.eos_token_ids)}
+    gen: dict[str, object] = {"eos_token_id": sorted(lm.eos_token_ids)}
     if tok.bos_token_id is not None:
         gen["bos_token_id"] = tok.bos_token_id
     (out / "generation_config.json").write_text(json.dumps(gen, indent=2))

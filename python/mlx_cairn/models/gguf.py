@@ -110,9 +110,11 @@ def load_gguf(
     """Load a ``.gguf`` file; unreadable or unsupported content is a :class:`ModelLoadError`."""
     check_gguf(path)  # MLX's reader crashes the process on a corrupt file instead of raising
     try:
-        raw, meta = mx.load(str(path), return_metadata=True)
+        loaded = mx.load(str(path), return_metadata=True)
     except (OSError, ValueError, RuntimeError) as e:
         raise ModelLoadError(f"cannot read GGUF {path.name}: {e}") from None
+    raw: dict[str, mx.array] = loaded[0]  # type: ignore[index,assignment]
+    meta: dict[str, Any] = loaded[1]  # type: ignore[index,assignment]
     args = args_from_gguf(meta, raw)
     rope_factors = raw.get("rope_freqs.weight")
     weights = {}

@@ -128,9 +128,12 @@ def load_hf_folder(
     weights: dict[str, mx.array] = {}
     for f in files:
         try:
-            weights.update(mx.load(str(f)))
+            loaded = mx.load(str(f))
         except (OSError, ValueError, RuntimeError) as e:
             raise ModelLoadError(f"cannot read {f.name}: {e}") from None
+        if not isinstance(loaded, dict):
+            raise ModelLoadError(f"{f.name} is not a safetensors file")
+        weights.update(loaded)
 
     floats = [v.dtype for k, v in weights.items() if k.endswith("norm.weight")]
     compute, dequant = resolve_dtype(dtype, floats[0] if floats else None)

@@ -114,7 +114,8 @@ class RoPE(nn.Module):
 
     def __init__(self, args: ModelArgs) -> None:
         super().__init__()
-        self.dims = args.head_dim
+        assert args.head_dim is not None
+        self.dims: int = args.head_dim
         self.traditional = args.rope_traditional
         self.base: float | None = args.rope_theta
         self.scale = 1.0

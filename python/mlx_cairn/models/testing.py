@@ -100,7 +100,8 @@ def random_weights(model: LlamaModel, seed: int) -> None:
     """Fill ``model`` with deterministic random fp32 weights."""
     rng = np.random.default_rng(seed)
     params = []
-    for name, p in tree_flatten(model.parameters()):
+    flat: list[tuple[str, mx.array]] = tree_flatten(model.parameters())  # type: ignore[assignment]
+    for name, p in flat:
         if "norm" in name:
             w = 1.0 + 0.1 * rng.standard_normal(p.shape)
         elif name.endswith("bias"):
@@ -108,7 +109,7 @@ def random_weights(model: LlamaModel, seed: int) -> None:
         else:
             # Large enough that logits are far from uniform, so greedy paths are stable.
             w = rng.standard_normal(p.shape) / np.sqrt(p.shape[-1])
-        params.append((name, mx.array(w.astype(np.float32))))
+        params.append((name, mx.array(np.asarray(w, dtype=np.float32))))
     model.update(tree_unflatten(params))
     mx.eval(model.parameters())
 
