@@ -180,14 +180,18 @@ def test_every_route_is_behind_the_gate(env: dict[str, Any]) -> None:
 
 
 def test_sdk_auth_modes(env: dict[str, Any]) -> None:
+    # Clients are closed explicitly: a leaked keep-alive socket is a ResourceWarning
+    # (an error under our pytest settings) in whichever test runs when it is collected.
     for kwargs in ({"api_key": TOKEN}, {"auth_token": TOKEN, "api_key": None}):
-        client = anthropic.Anthropic(base_url=env["url"], max_retries=0, **kwargs)
-        msg = client.messages.create(
-            model="scripted", max_tokens=8, messages=[{"role": "user", "content": say("yo")}]
-        )
+        with anthropic.Anthropic(base_url=env["url"], max_retries=0, **kwargs) as client:
+            msg = client.messages.create(
+                model="scripted", max_tokens=8, messages=[{"role": "user", "content": say("yo")}]
+            )
         assert msg.content[0].text == "yo"  # type: ignore[union-attr]
-    bad = anthropic.Anthropic(base_url=env["url"], max_retries=0, api_key="wrong")
-    with pytest.raises(anthropic.AuthenticationError):
+    with (
+        anthropic.Anthropic(base_url=env["url"], max_retries=0, api_key="wrong") as bad,
+        pytest.raises(anthropic.AuthenticationError),
+    ):
         bad.messages.create(
             model="scripted", max_tokens=8, messages=[{"role": "user", "content": "x"}]
         )
@@ -310,8 +314,8 @@ def test_context_overflow_is_400_before_any_stream_byte(env: dict[str, Any]) -> 
     b = body("word " * 1500, stream=True, max_tokens=7000)
     r = post(env, b)
     assert "context" in assert_envelope(r, 400, "invalid_request_error")
-    client = anthropic.Anthropic(base_url=env["url"], api_key=TOKEN, max_retries=0)
     with (
+        anthropic.Anthropic(base_url=env["url"], api_key=TOKEN, max_retries=0) as client,
         pytest.raises(anthropic.BadRequestError),
         client.messages.stream(
             model="scripted",
@@ -480,8 +484,8 @@ def test_failure_mid_stream_ends_with_an_error_event(env: dict[str, Any]) -> Non
 
 
 def test_models_listing_shapes(env: dict[str, Any]) -> None:
-    client = anthropic.Anthropic(base_url=env["url"], api_key=TOKEN, max_retries=0)
-    ids = [m.id for m in client.models.list()]
+    with anthropic.Anthropic(base_url=env["url"], api_key=TOKEN, max_retries=0) as client:
+        ids = [m.id for m in client.models.list()]
     assert "scripted" in ids and "tight" in ids
 
 
