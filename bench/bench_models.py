@@ -36,7 +36,8 @@ from mlx.utils import tree_flatten  # isort: skip
 
 from mlx_cairn.engine.reference import generate_tokens, prefill  # isort: skip
 from mlx_cairn.models import ContiguousKVCache, load  # isort: skip
-from mlx_cairn.models.cpu_layout import hf_parameters  # isort: skip
+from mlx_cairn.models import cpu_layout  # isort: skip
+from mlx_cairn.models.cpu_layout import BlockedLinear, hf_parameters  # isort: skip
 from mlx_cairn.models.export import save_folder  # isort: skip
 from mlx_cairn.types import SamplingParams  # isort: skip
 
@@ -215,6 +216,11 @@ def main() -> None:
     t = time.perf_counter()
     lm = load()
     print(f"loaded {lm.name} ({lm.identity}) in {time.perf_counter() - t:.2f}s")
+    chosen = [n for n, mod in lm.model.named_modules() if isinstance(mod, BlockedLinear)]
+    print(
+        f"CPU layout ({cpu_layout.mode()}): {len(chosen)} blocked modules "
+        f"({'head' if 'head' in chosen else 'no head'})"
+    )
     os.environ["CAIRN_CPU_LAYOUT"] = "0"
     plain = load()
     del os.environ["CAIRN_CPU_LAYOUT"]

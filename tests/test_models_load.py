@@ -201,7 +201,12 @@ def test_detection_can_be_overridden(tmp_path):
 def test_cpu_layout_is_applied_on_load_and_can_be_disabled(tmp_path, monkeypatch):
     lm = tiny_model("llama", seed=9)
     folder = save_folder(lm, tmp_path / "m")
-    assert "head" in load(str(folder)).model
+    monkeypatch.setenv("CAIRN_CPU_LAYOUT", "1")
+    blocked = load(str(folder))
+    assert "head" in blocked.model
+    _same(_logits(blocked), _logits(lm))
+    monkeypatch.setenv("CAIRN_CPU_LAYOUT", "auto")  # measured: either layout, same logits
+    _same(_logits(load(str(folder))), _logits(lm))
     monkeypatch.setenv("CAIRN_CPU_LAYOUT", "0")
     plain = load(str(folder))
     assert "head" not in plain.model

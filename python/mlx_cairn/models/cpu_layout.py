@@ -11,13 +11,19 @@ blocks of at most :data:`CHUNK` outputs::
 Measured here (bench/RESULTS.md): the MLP gate/up projections of SmolLM2
 take about 2.4x less CPU time and the 49152-wide LM head about 1.7x less;
 narrow or square matrices are as fast or faster as they are, so they stay.
-Results are identical up to float summation order. Set ``CAIRN_CPU_LAYOUT=0``
-to keep the plain layout.
+Results are identical up to float summation order.
+
+Which layout is faster depends on the machine (core count, OpenBLAS build,
+what else runs), so by default :func:`apply_cpu_layout` measures one-token
+products over the model's own weights at load (~0.2 s) and keeps the blocked
+layout only where it wins clearly. ``CAIRN_CPU_LAYOUT=1`` forces it, ``0``
+turns it off.
 """
 
 from __future__ import annotations
 
 import os
+import time
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -49,32 +55,88 @@ class BlockedLinear(nn.Module):
         return mx.concatenate(self.blocks, axis=1).T
 
 
+def mode() -> str:
+    """``CAIRN_CPU_LAYOUT``: "auto" (default: measure, keep what is faster), "1" (always), "0" (never)."""
+    value = os.environ.get("CAIRN_CPU_LAYOUT", "auto").lower()
+    return {"0": "off", "off": "off", "1": "on", "on": "on"}.get(value, "auto")
+
+
 def enabled() -> bool:
-    return os.environ.get("CAIRN_CPU_LAYOUT", "1") != "0"
+    return mode() != "off"
 
 
-def apply_cpu_layout(model: nn.Module) -> int:
-    """Re-lay wide dense fp32 linears (and the LM head) as :class:`BlockedLinear`; returns how many."""
-    changed = 0
+def _matvec_seconds(
+    weights: list[mx.array], blocked: list[BlockedLinear] | None, reps: int
+) -> float:
+    """Best wall time of one-token products over all ``weights`` (streamed from memory, not cache)."""
+    x = mx.ones((1, weights[0].shape[1]), dtype=mx.float32)
+    mx.eval(x)
+    best = float("inf")
+    for _ in range(reps):
+        t = time.perf_counter()
+        if blocked is None:
+            mx.eval([x @ w.T for w in weights])
+        else:
+            mx.eval([b(x) for b in blocked])
+        best = min(best, time.perf_counter() - t)
+    return best
+
+
+def _worth_it(
+    weights: list[mx.array], blocked: list[BlockedLinear], how: str, reps: int = 3
+) -> bool:
+    """Whether the blocked layout is the one to keep: always ("on"), or measured ("auto")."""
+    if how == "on":
+        return True
+    plain = _matvec_seconds(weights, None, reps)
+    fast = _matvec_seconds(weights, blocked, reps)
+    # Another process can steal a core mid-measurement: demand a clear win.
+    return fast < 0.9 * plain
+
+
+def apply_cpu_layout(model: nn.Module, how: str | None = None) -> int:
+    """Re-lay wide dense fp32 linears and the LM head as :class:`BlockedLinear`.
+
+    ``how``: "on" always, "auto" (default from :func:`mode`) keeps each group
+    (the layers' wide linears; the head) only where one-token products
+    measure faster on this machine. Returns the number of modules changed.
+    """
+    how = how or mode()
+    if how == "off":
+        return 0
+    wide: list[tuple[nn.Module, str, nn.Linear]] = []
     for layer in model.model.layers:
         for parent in (layer.self_attn, layer.mlp):
-            for name, child in list(parent.children().items()):
+            for name, child in parent.children().items():
                 if type(child) is nn.Linear and child.weight.dtype == mx.float32:
                     out_dim, in_dim = child.weight.shape
                     if out_dim > in_dim:
-                        bias = child.bias if "bias" in child else None
-                        setattr(parent, name, BlockedLinear(child.weight, bias))
-                        changed += 1
-    head = (
-        model.model.embed_tokens.weight if model.args.tie_word_embeddings else model.lm_head.weight
-    )
-    if head.dtype == mx.float32 and type(getattr(model, "lm_head", nn.Linear(1, 1))) is nn.Linear:
+                        wide.append((parent, name, child))
+    changed = 0
+    if wide:
+        blocked = [BlockedLinear(c.weight, c.bias if "bias" in c else None) for _, _, c in wide]
+        mx.eval([b.parameters() for b in blocked])
+        if _worth_it([c.weight for _, _, c in wide], blocked, how):
+            for (parent, name, _), b in zip(wide, blocked, strict=True):
+                setattr(parent, name, b)
+            changed += len(wide)
+
+    tied = model.args.tie_word_embeddings
+    head: mx.array | None = None
+    if "head" not in model:
+        if tied:
+            head = model.model.embed_tokens.weight
+        elif type(model.lm_head) is nn.Linear:
+            head = model.lm_head.weight
+    if head is not None and head.dtype == mx.float32:
         # Tied embeddings keep the [vocab, hidden] table for lookups; the head gets its own copy.
-        model.head = BlockedLinear(head)
-        if not model.args.tie_word_embeddings:
-            del model.lm_head
-        changed += 1
-    mx.eval(model.parameters())
+        blocked_head = BlockedLinear(head)
+        mx.eval(blocked_head.parameters())
+        if _worth_it([head], [blocked_head], how):
+            model.head = blocked_head
+            if not tied:
+                del model.lm_head
+            changed += 1
     return changed
 
 

@@ -109,7 +109,7 @@ def install_weights(
     except ValueError as e:
         raise ModelLoadError(f"checkpoint does not match the architecture: {e}") from None
     mx.eval(model.parameters())
-    if spec is None and on_cpu() and cpu_layout.enabled():
+    if spec is None and on_cpu():
         cpu_layout.apply_cpu_layout(model)
 
 
