@@ -203,7 +203,9 @@ def test_every_character_is_accounted_for(text: str, family: str | None) -> None
 
 
 # Well-formed output: plain text and whole blocks; no tag may reach the text.
-PLAIN = st.text(alphabet=st.characters(exclude_characters="<>", exclude_categories=["Cs"]), max_size=8)
+PLAIN = st.text(
+    alphabet=st.characters(exclude_characters="<>", exclude_categories=["Cs"]), max_size=8
+)
 BLOCKS = st.sampled_from(
     [
         f"<tool_call>{WEATHER}</tool_call>",
