@@ -42,7 +42,8 @@ $(VENV)/.setup-stamp: pyproject.toml
 setup: $(VENV)/.setup-stamp ## Create .venv, install system + Python dependencies and the default model
 
 build: setup ## Build the Rust extension into .venv (release)
-	$(MATURIN) develop --release -q
+	@# setup installed the package (editable) and its dependencies; only the extension is rebuilt here.
+	$(MATURIN) develop --release -q --skip-install
 
 test: build test-rust test-py fuzz-short ## Everything CI runs: cargo test, pytest, a short fuzz run
 
