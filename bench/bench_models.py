@@ -206,8 +206,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--decode", type=int, default=32, help="tokens per decode run")
+    ap.add_argument("--rounds", type=int, default=8)
+    ap.add_argument("--decode", type=int, default=16, help="tokens per decode run")
     ap.add_argument("--prefill-rounds", type=int, default=1)
     ap.add_argument("--profile-plain", action="store_true", help="also profile the plain layout")
     ap.add_argument("--prompt", type=int, default=2000, help="prompt tokens for the prefill run")
@@ -241,15 +241,16 @@ def main() -> None:
     bw = copy_bandwidth()
     dec: dict[str, list[tuple[float, float]]] = {k: [] for k in sides}
     pre: dict[str, list[float]] = {k: [] for k in sides}
+    names = list(sides)
     for r in range(args.rounds):
-        for name, side in sides.items():
+        order = names[r % len(names) :] + names[: r % len(names)]  # rotate who goes first
+        for name in order:
+            side = sides[name]
             dec[name].append(_timed_stream(side.stream(short, args.decode)))
             if r < args.prefill_rounds and "plain" not in name:  # the layout only matters for M = 1
                 pre[name].append(_time_to_first(side.stream(long_prompt, 1), len(long_prompt)))
         print(
-            f"round {r + 1}: "
-            + ", ".join(f"{k} {v[-1][0]:.2f}" for k, v in dec.items())
-            + " tok/s",
+            f"round {r + 1}: " + ", ".join(f"{k} {dec[k][-1][0]:.2f}" for k in names) + " tok/s",
             flush=True,
         )
     bw = max(bw, copy_bandwidth())
@@ -263,7 +264,7 @@ def main() -> None:
     )
     print()
     print(
-        "| side | decode tok/s best | median | CPU ms/token | vs mlx_lm | of roofline | "
+        "| side | decode tok/s best | median | CPU ms/token | vs mlx_lm (median of rounds) | of roofline | "
         f"prefill {args.prompt} tok/s best | vs mlx_lm |"
     )
     print("|---|---|---|---|---|---|---|---|")
@@ -271,10 +272,11 @@ def main() -> None:
     best_pre = {k: max(v) if v else float("nan") for k, v in pre.items()}
     for name in sides:
         tps = [x[0] for x in dec[name]]
-        cpu_ms = min(x[1] for x in dec[name])
+        cpu_ms = statistics.median(x[1] for x in dec[name])
+        ratio = statistics.median(a[0] / b[0] for a, b in zip(dec[name], dec[base], strict=True))
         print(
             f"| {name} | {best_dec[name]:.2f} | {statistics.median(tps):.2f} | {cpu_ms:.0f} | "
-            f"{best_dec[name] / best_dec[base]:.2f}x | {best_dec[name] * bpt / bw:.0%} | "
+            f"{ratio:.2f}x | {best_dec[name] * bpt / bw:.0%} | "
             f"{best_pre[name]:.1f} | {best_pre[name] / best_pre[base]:.2f}x |"
         )
 
