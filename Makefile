@@ -53,10 +53,8 @@ test-rust: ## cargo test for every crate
 test-py: build ## pytest (property tests sized by CAIRN_HYPOTHESIS_EXAMPLES)
 	$(PY) -m pytest -q
 
-$(HOME)/.cargo/bin/cargo-fuzz:
-	cargo install -q cargo-fuzz --locked
-
-fuzz: $(HOME)/.cargo/bin/cargo-fuzz ## Run every fuzz target for FUZZ_SECONDS each
+fuzz: ## Run every fuzz target for FUZZ_SECONDS each (installs cargo-fuzz if missing)
+	@cargo fuzz --version >/dev/null 2>&1 || cargo install -q cargo-fuzz --locked
 	@cd fuzz && for t in $$(cargo fuzz list); do \
 	  echo "== fuzz $$t ($(FUZZ_SECONDS)s)"; \
 	  $(FUZZ_ENV) cargo fuzz run $$t -- -max_total_time=$(FUZZ_SECONDS) || exit 1; \
