@@ -44,7 +44,7 @@ def free_port() -> int:
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     root = tmp_path_factory.mktemp("models")
-    save_folder(tiny_model("qwen3", seed=3), root / "tiny")
+    save_folder(tiny_model("qwen3", seed=0), root / "tiny")  # greedy: 1800 tokens, no EOS
     (root / "broken.gguf").write_bytes(b"GGUF" + os.urandom(4096))
     return root
 
@@ -158,7 +158,20 @@ def test_sigterm_ends_every_stream_then_exits_zero(server):
         finally:
             started[path].set()
 
-    threads = [threading.Thread(target=stream, args=(p,), daemon=True) for p in BODIES]
+    json_answer: list[httpx.Response | BaseException] = []
+
+    def non_streamed() -> None:
+        try:
+            # Greedy: this random model then never samples its end token early.
+            body = BODIES["/v1/chat/completions"]("tiny", False) | {"temperature": 0}
+            json_answer.append(httpx.post(url + "/v1/chat/completions", json=body, timeout=60))
+        except BaseException as e:
+            json_answer.append(e)
+
+    # The non-streamed request runs beside the streams (if it finishes before the
+    # signal, that is fine too).
+    threads = [threading.Thread(target=non_streamed, daemon=True)]
+    threads += [threading.Thread(target=stream, args=(p,), daemon=True) for p in BODIES]
     for t in threads:
         t.start()
     for p, ev in started.items():
@@ -180,6 +193,11 @@ def test_sigterm_ends_every_stream_then_exits_zero(server):
     )
     assert code == 0, (code, log[-2000:])
     assert elapsed < GRACE + SLACK, elapsed
+    # The non-streamed request got a whole answer or a 500 in its envelope, not a cut socket.
+    (answer,) = json_answer
+    assert isinstance(answer, httpx.Response), answer
+    if answer.status_code != 200:
+        assert answer.status_code == 500 and answer.json()["error"]["type"] == "server_error"
     # The streams that were cut say so in their dialect's error shape.
     for p, state in states.items():
         if state != "error":
