@@ -13,8 +13,12 @@ route added later cannot bypass it. Rules (DESIGN.md §6):
   wrong one it is a 401 like everything else;
 - a 401 carries ``WWW-Authenticate: Bearer`` and never says which check failed.
 
-Bodies: a ``Content-Length`` above the limit is refused at once (413); a
-chunked body is counted as it arrives and refused when it passes the limit.
+Bodies: a ``Content-Length`` above the limit is refused before any route
+runs (413); a chunked body is counted as it arrives and refused when it
+passes the limit. Before the 413 goes out, the rest of the body is read and
+thrown away (up to :data:`DRAIN_LIMIT`): closing a socket with unread data
+makes the kernel send a reset, and the client would see "connection reset"
+instead of the 413.
 """
 
 from __future__ import annotations
@@ -33,6 +37,21 @@ AUTH_SCOPE_KEY = "cairn.auth"
 UNAUTHORIZED_MESSAGE = "invalid or missing credentials"
 #: Paths that answer anonymous callers (with less detail).
 ANONYMOUS_PATHS = frozenset({"/health"})
+#: Bytes of an over-limit body read and discarded so the 413 reaches the client.
+DRAIN_LIMIT = 64 * 1024 * 1024
+
+
+async def drain_body(receive: Receive, already: int = 0) -> None:
+    """Read and discard request-body messages until the body ends or
+    :data:`DRAIN_LIMIT` bytes have passed (then the connection is closed)."""
+    seen = already
+    while seen <= DRAIN_LIMIT:
+        msg = await receive()
+        if msg["type"] != "http.request":
+            return
+        seen += len(msg.get("body", b""))
+        if not msg.get("more_body", False):
+            return
 
 
 def token_digest(token: str) -> bytes:
@@ -115,6 +134,7 @@ class Gate:
         await self.app(scope, self._limited(receive), send)
 
     async def _too_large(self, scope: Scope, receive: Receive, send: Send) -> None:
+        await drain_body(receive)
         resp = error_response(
             self.dialects.for_scope(scope),
             413,
@@ -134,6 +154,8 @@ class Gate:
             if msg["type"] == "http.request":
                 seen += len(msg.get("body", b""))
                 if seen > limit:
+                    if msg.get("more_body", False):
+                        await drain_body(receive, seen)
                     raise ApiError(
                         413,
                         "too_large",
