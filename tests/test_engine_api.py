@@ -154,9 +154,10 @@ def test_fault_mid_decode_fails_the_batch_but_not_the_queue(lm):
         for s in batch:
             last = list(s.iter_sync(TIMEOUT))[-1]
             assert isinstance(last, Error) and last.kind == "internal", last
-            # Steps 1-4 sampled a token each; step 4's was still in flight when
-            # step 5 failed, so it may be dropped with the failed rows.
-            assert len(s.output_ids) in (3, 4)
+            # At most steps 1-4 sampled a token for a row (a row submitted just
+            # after step 1 started prefills in step 2; step 4's token may still be
+            # in flight when step 5 fails and be dropped with the failed rows).
+            assert 1 <= len(s.output_ids) <= 4, s.output_ids
         assert isinstance(list(queued.iter_sync(TIMEOUT))[-1], Done)
         assert_at_rest(e)
     finally:
