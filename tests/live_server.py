@@ -13,6 +13,8 @@ from typing import Any
 import uvicorn
 
 from mlx_cairn.api import ModelRegistry, ServerConfig, create_app
+from mlx_cairn.engine import Engine
+from scripted_model import scripted_model
 
 
 class LiveServer:
@@ -69,6 +71,75 @@ def registry_for(models: dict[str, Any], **kwargs: Any) -> ModelRegistry:
     return ModelRegistry(
         list(models), loader=loader, engine_factory=lambda lm: by_model[id(lm)], **kwargs
     )
+
+
+class Blocker:
+    """Engine fault hook: once armed, lets ``skip`` steps pass, then holds the
+    engine thread until released (or raises ``fail`` instead of holding)."""
+
+    def __init__(self) -> None:
+        self.armed = False
+        self.skip = 0
+        self.fail: Exception | None = None
+        self.entered = threading.Event()
+        self.release = threading.Event()
+
+    def arm(self, skip: int = 0, fail: Exception | None = None) -> None:
+        self.entered.clear()
+        self.release.clear()
+        self.skip, self.fail = skip, fail
+        self.armed = True
+
+    def __call__(self) -> None:
+        if not self.armed:
+            return
+        if self.skip > 0:
+            self.skip -= 1
+            return
+        self.armed = False
+        self.entered.set()
+        if self.fail is not None:
+            raise self.fail
+        self.release.wait(30)
+
+
+@contextmanager
+def scripted_server(token: str, aliases: dict[str, str]) -> Iterator[dict[str, Any]]:
+    """Serve the scripted test model as ``scripted``, ``tight`` and ``broken``.
+
+    ``scripted`` is roomy, ``tight`` runs one request with one waiting (for
+    429) and ``broken``'s loader fails (for 500). Each working engine has a
+    :class:`Blocker` as its fault hook. Yields url, app, engines and blockers.
+    """
+    main = Engine(scripted_model("scripted"), num_blocks=1024, max_queue=8)
+    tight = Engine(scripted_model("tight"), num_blocks=128, max_queue=1, max_batch=1)
+    blockers = {"scripted": Blocker(), "tight": Blocker()}
+    main._fault_hook = blockers["scripted"]
+    tight._fault_hook = blockers["tight"]
+    engines = {"scripted": main, "tight": tight}
+
+    def loader(src: str | None) -> Any:
+        if src == "broken":
+            raise RuntimeError("weights are corrupt")
+        return engines[str(src)].loaded
+
+    by_model = {id(e.loaded): e for e in engines.values()}
+    registry = ModelRegistry(
+        ["scripted", "tight", "broken"],
+        aliases=aliases,
+        loader=loader,
+        engine_factory=lambda lm: by_model[id(lm)],
+    )
+    config = ServerConfig(api_token=token, max_body_bytes=64 * 1024, ping_interval=0.05)
+    app = create_app(registry, config)
+    srv = LiveServer(app)
+    srv.start()
+    try:
+        yield {"url": srv.url, "app": app, "engines": engines, "blockers": blockers}
+    finally:
+        srv.stop()
+        for e in engines.values():
+            e.close()
 
 
 def sse_events(text: str) -> list[tuple[str, Any]]:

@@ -19,69 +19,22 @@ import anthropic
 import httpx
 import pytest
 
-from live_server import LiveServer, sse_events
+from live_server import scripted_server, sse_events
 from mlx_cairn.api import ModelRegistry, ServerConfig, create_app
 from mlx_cairn.api.server import ServeError, add_arguments, build
 from mlx_cairn.engine import Engine
 from mlx_cairn.engine.testing import assert_at_rest
-from scripted_model import say, scripted_model
+from scripted_model import say
 
 TOKEN = "s3cret-token"
 AUTH = {"x-api-key": TOKEN, "anthropic-version": "2023-06-01"}
 FIXTURES = Path(__file__).parent / "fixtures" / "claude-code"
 
 
-class Blocker:
-    """Engine fault hook that holds the engine thread while armed."""
-
-    def __init__(self) -> None:
-        self.armed = False
-        self.entered = threading.Event()
-        self.release = threading.Event()
-
-    def arm(self) -> None:
-        self.entered.clear()
-        self.release.clear()
-        self.armed = True
-
-    def __call__(self) -> None:
-        if self.armed:
-            self.entered.set()
-            self.release.wait(30)
-            self.armed = False
-
-
 @pytest.fixture(scope="module")
 def env() -> Iterator[dict[str, Any]]:
-    main = Engine(scripted_model("scripted"), num_blocks=1024, max_queue=8)
-    tight = Engine(scripted_model("tight"), num_blocks=128, max_queue=1, max_batch=1)
-    blockers = {"scripted": Blocker(), "tight": Blocker()}
-    main._fault_hook = blockers["scripted"]
-    tight._fault_hook = blockers["tight"]
-    engines = {"scripted": main, "tight": tight}
-
-    def loader(src: str | None) -> Any:
-        if src == "broken":
-            raise RuntimeError("weights are corrupt")
-        return engines[str(src)].loaded
-
-    by_model = {id(e.loaded): e for e in engines.values()}
-    registry = ModelRegistry(
-        ["scripted", "tight", "broken"],
-        aliases={"claude-haiku-*": "scripted"},
-        loader=loader,
-        engine_factory=lambda lm: by_model[id(lm)],
-    )
-    config = ServerConfig(api_token=TOKEN, max_body_bytes=64 * 1024, ping_interval=0.05)
-    app = create_app(registry, config)
-    srv = LiveServer(app)
-    srv.start()
-    try:
-        yield {"url": srv.url, "app": app, "engines": engines, "blockers": blockers}
-    finally:
-        srv.stop()
-        for e in engines.values():
-            e.close()
+    with scripted_server(TOKEN, {"claude-haiku-*": "scripted"}) as e:
+        yield e
 
 
 def post(
