@@ -16,6 +16,18 @@ from mlx_cairn.api import ModelRegistry, ServerConfig, create_app
 from mlx_cairn.engine import Engine
 from scripted_model import scripted_model
 
+#: The error types the Anthropic API documents.
+ANTHROPIC_ERROR_TYPES = {
+    "invalid_request_error",
+    "authentication_error",
+    "permission_error",
+    "not_found_error",
+    "request_too_large",
+    "rate_limit_error",
+    "api_error",
+    "overloaded_error",
+}
+
 
 class LiveServer:
     """A started uvicorn server; ``url`` is its base URL."""

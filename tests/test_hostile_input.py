@@ -17,7 +17,7 @@ from typing import Any
 import httpx
 import pytest
 
-from live_server import registry_for, serve
+from live_server import ANTHROPIC_ERROR_TYPES, registry_for, serve
 from mlx_cairn.api import ServerConfig
 from mlx_cairn.engine import Engine
 from mlx_cairn.engine.testing import assert_at_rest
@@ -26,17 +26,6 @@ from scripted_model import say, scripted_model
 TOKEN = "hostile-token"
 MAX_BODY = 2 * 1024 * 1024
 MAX_TOKENS_LIMIT = 100_000
-#: The error types the Anthropic API documents.
-ANTHROPIC_ERROR_TYPES = {
-    "invalid_request_error",
-    "authentication_error",
-    "permission_error",
-    "not_found_error",
-    "request_too_large",
-    "rate_limit_error",
-    "api_error",
-    "overloaded_error",
-}
 
 
 @dataclass(frozen=True)

@@ -22,7 +22,7 @@ import pytest
 import schemathesis
 from hypothesis import HealthCheck, settings
 
-from live_server import registry_for, serve
+from live_server import ANTHROPIC_ERROR_TYPES, registry_for, serve
 from mlx_cairn.api import ModelRegistry, ServerConfig, create_app
 from mlx_cairn.engine import Engine
 from mlx_cairn.engine.testing import assert_at_rest
@@ -39,17 +39,6 @@ EXAMPLES = int(
 CONFIG = ServerConfig(api_token=TOKEN, max_body_bytes=256 * 1024, max_tokens_limit=4096)
 #: Seconds one request may take; longer is a hang.
 REQUEST_TIMEOUT = 30.0
-
-ANTHROPIC_TYPES = {
-    "invalid_request_error",
-    "authentication_error",
-    "permission_error",
-    "not_found_error",
-    "request_too_large",
-    "rate_limit_error",
-    "api_error",
-    "overloaded_error",
-}
 
 
 @pytest.fixture(scope="module")
@@ -84,7 +73,7 @@ def check_envelope(path: str, r: Any) -> None:
     data = r.json()
     if path.startswith("/v1/messages"):
         assert data.get("type") == "error", data
-        assert data["error"]["type"] in ANTHROPIC_TYPES, data
+        assert data["error"]["type"] in ANTHROPIC_ERROR_TYPES, data
         assert isinstance(data["error"]["message"], str), data
     else:  # OpenAI paths and the shared ones (OpenAI shape unless anthropic-version is sent)
         err = data["error"]
