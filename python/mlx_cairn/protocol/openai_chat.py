@@ -45,7 +45,7 @@ from mlx_cairn.protocol.base import WireEvent
 from mlx_cairn.protocol.openai_common import (
     CallIds,
     TextGate,
-    cache_salt,
+    chat_request,
     content_text,
     error_body,
     fail,
@@ -55,15 +55,13 @@ from mlx_cairn.protocol.openai_common import (
     new_id,
     opt_bool,
     opt_max_tokens,
-    opt_number,
-    reasoning_switch,
+    required_model,
+    sampling_params,
     short,
     status_for_kind,
-    stop_list,
     timings_body,
     tool_call_as_text,
     tool_choice,
-    tools_for_choice,
 )
 from mlx_cairn.protocol.sse import comment
 from mlx_cairn.types import (
@@ -73,7 +71,6 @@ from mlx_cairn.types import (
     Event,
     Message,
     ReasoningDelta,
-    SamplingParams,
     TextDelta,
     Tool,
     ToolCall,
@@ -98,11 +95,7 @@ def parse_chat_request(body: Any, *, max_tokens_limit: int) -> OpenAIChatRequest
     """Validate a ``POST /v1/chat/completions`` body and map it to a ChatRequest."""
     if not isinstance(body, dict):
         raise InvalidRequest("request body must be a JSON object")
-    model = body.get("model")
-    if model is None:
-        raise fail("model", "field required")
-    if not isinstance(model, str) or not model:
-        raise fail("model", "must be a non-empty string")
+    model = required_model(body)
     n = body.get("n")
     if n is not None and (not is_int(n) or n != 1):
         raise fail("n", "only n=1 is supported")
@@ -115,15 +108,7 @@ def parse_chat_request(body: Any, *, max_tokens_limit: int) -> OpenAIChatRequest
         mt = opt_max_tokens(body, "max_tokens", max_tokens_limit)
     open_ended = mt is None
 
-    sampling = SamplingParams()
-    t = opt_number(body, "temperature", 0.0, 2.0)
-    if t is not None:
-        sampling.temperature = t
-    p = opt_number(body, "top_p", 0.0, 1.0)
-    if p is not None:
-        if p == 0.0:
-            raise fail("top_p", "must be greater than 0")
-        sampling.top_p = p
+    sampling = sampling_params(body)
     seed = body.get("seed")
     if seed is not None:
         if not is_int(seed):
@@ -145,16 +130,16 @@ def parse_chat_request(body: Any, *, max_tokens_limit: int) -> OpenAIChatRequest
             raise fail("stream_options", "must be an object")
         include_usage = opt_bool(opts, "include_usage", False)
 
-    chat = ChatRequest(
+    chat = chat_request(
+        body,
         messages=messages,
         model=model,
         max_tokens=mt if mt is not None else max_tokens_limit,
         sampling=sampling,
-        stop=stop_list(body.get("stop")),
-        tools=tools_for_choice(tools, choice),
-        tool_choice=choice if tools else None,
-        reasoning=reasoning_switch(body.get("reasoning_effort"), "reasoning_effort"),
-        cache_salt=cache_salt(body),
+        tools=tools,
+        choice=choice,
+        effort=body.get("reasoning_effort"),
+        effort_param="reasoning_effort",
     )
     return OpenAIChatRequest(chat, model, stream, include_usage, open_ended)
 

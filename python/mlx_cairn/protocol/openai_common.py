@@ -31,7 +31,7 @@ from typing import Any
 import orjson
 
 from mlx_cairn.errors import InvalidRequest
-from mlx_cairn.types import Tool, ToolCall
+from mlx_cairn.types import ChatRequest, Message, SamplingParams, Tool, ToolCall
 
 _ALNUM = string.ascii_letters + string.digits
 MAX_STOP_SEQUENCES = 64
@@ -158,6 +158,30 @@ def opt_number(body: dict[str, Any], key: str, lo: float, hi: float) -> float | 
     return float(v)
 
 
+def required_model(body: dict[str, Any]) -> str:
+    """``model``: a required non-empty string."""
+    model = body.get("model")
+    if model is None:
+        raise fail("model", "field required")
+    if not isinstance(model, str) or not model:
+        raise fail("model", "must be a non-empty string")
+    return model
+
+
+def sampling_params(body: dict[str, Any]) -> SamplingParams:
+    """``temperature`` (0 to 2) and ``top_p`` (above 0, at most 1)."""
+    sampling = SamplingParams()
+    t = opt_number(body, "temperature", 0.0, 2.0)
+    if t is not None:
+        sampling.temperature = t
+    p = opt_number(body, "top_p", 0.0, 1.0)
+    if p is not None:
+        if p == 0.0:
+            raise fail("top_p", "must be greater than 0")
+        sampling.top_p = p
+    return sampling
+
+
 def opt_max_tokens(body: dict[str, Any], key: str, limit: int) -> int | None:
     v = body.get(key)
     if v is None:
@@ -208,6 +232,32 @@ def reasoning_switch(effort: Any, param: str) -> bool | None:
     if effort in ("low", "medium", "high", "xhigh"):
         return True
     raise fail(param, "must be one of 'none', 'minimal', 'low', 'medium', 'high'")
+
+
+def chat_request(
+    body: dict[str, Any],
+    *,
+    messages: list[Message],
+    model: str,
+    max_tokens: int,
+    sampling: SamplingParams,
+    tools: list[Tool],
+    choice: str | dict[str, Any] | None,
+    effort: Any,
+    effort_param: str,
+) -> ChatRequest:
+    """The neutral request both OpenAI dialects build; reads ``stop`` and ``cache_salt``."""
+    return ChatRequest(
+        messages=messages,
+        model=model,
+        max_tokens=max_tokens,
+        sampling=sampling,
+        stop=stop_list(body.get("stop")),
+        tools=tools_for_choice(tools, choice),
+        tool_choice=choice if tools else None,
+        reasoning=reasoning_switch(effort, effort_param),
+        cache_salt=cache_salt(body),
+    )
 
 
 def content_text(raw: Any, param: str, text_types: tuple[str, ...]) -> str:

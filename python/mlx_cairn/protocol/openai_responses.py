@@ -30,21 +30,19 @@ from typing import Any
 
 from mlx_cairn.errors import CairnError, InvalidRequest
 from mlx_cairn.protocol.openai_common import (
-    cache_salt,
+    chat_request,
     content_text,
     fail,
     function_tool,
     json_object,
     opt_bool,
     opt_max_tokens,
-    opt_number,
-    reasoning_switch,
+    required_model,
+    sampling_params,
     short,
-    stop_list,
     tool_choice,
-    tools_for_choice,
 )
-from mlx_cairn.types import ChatRequest, Message, SamplingParams, Tool, ToolCall
+from mlx_cairn.types import ChatRequest, Message, Tool, ToolCall
 
 _TEXT_PARTS = ("input_text", "output_text", "text")
 _ROLES = {"user": "user", "system": "system", "developer": "system", "assistant": "assistant"}
@@ -82,11 +80,7 @@ def parse_responses_request(
     """Validate a ``POST /v1/responses`` body and map it to a ChatRequest."""
     if not isinstance(body, dict):
         raise InvalidRequest("request body must be a JSON object")
-    model = body.get("model")
-    if model is None:
-        raise fail("model", "field required")
-    if not isinstance(model, str) or not model:
-        raise fail("model", "must be a non-empty string")
+    model = required_model(body)
     if "input" not in body:
         raise fail("input", "field required")
     new = parse_input(body["input"])
@@ -107,15 +101,7 @@ def parse_responses_request(
     messages = ([Message("system", instructions)] if instructions else []) + history
 
     mt = opt_max_tokens(body, "max_output_tokens", max_tokens_limit)
-    sampling = SamplingParams()
-    t = opt_number(body, "temperature", 0.0, 2.0)
-    if t is not None:
-        sampling.temperature = t
-    p = opt_number(body, "top_p", 0.0, 1.0)
-    if p is not None:
-        if p == 0.0:
-            raise fail("top_p", "must be greater than 0")
-        sampling.top_p = p
+    sampling = sampling_params(body)
 
     tools, tools_echo = _map_tools(body.get("tools"))
     choice = tool_choice(body.get("tool_choice"), tools, nested=False)
@@ -128,16 +114,16 @@ def parse_responses_request(
         raise fail("metadata", "must be an object")
     store = opt_bool(body, "store", True)
 
-    chat = ChatRequest(
+    chat = chat_request(
+        body,
         messages=messages,
         model=model,
         max_tokens=mt if mt is not None else max_tokens_limit,
         sampling=sampling,
-        stop=stop_list(body.get("stop")),
-        tools=tools_for_choice(tools, choice),
-        tool_choice=choice if tools else None,
-        reasoning=reasoning_switch(effort, "reasoning.effort"),
-        cache_salt=cache_salt(body),
+        tools=tools,
+        choice=choice,
+        effort=effort,
+        effort_param="reasoning.effort",
     )
     raw_choice = body.get("tool_choice")
     echo = {
