@@ -257,8 +257,8 @@ def as_tuples(segs: list[Any]) -> list[Segment]:
 # counts them otherwise, as a server that sends each one on would.
 
 
-def run_rust(chunks: list[str], keep: bool = False) -> list[Any] | int:
-    scan, parse = StopScanner(STOPS), OutputParser(family="hermes", reasoning=True)
+def scan_then_parse(scan: Any, parse: Any, chunks: list[str], keep: bool) -> list[Any] | int:
+    """Feed each chunk through a stop scanner, then its visible text through a parser."""
     segs, n = [], 0
     for c in chunks:
         vis, _stop = scan.push(c)
@@ -268,6 +268,11 @@ def run_rust(chunks: list[str], keep: bool = False) -> list[Any] | int:
             segs += got
     got = parse.push(scan.flush()[0]) + parse.flush()
     return segs + got if keep else n + len(got)
+
+
+def run_rust(chunks: list[str], keep: bool = False) -> list[Any] | int:
+    scan, parse = StopScanner(STOPS), OutputParser(family="hermes", reasoning=True)
+    return scan_then_parse(scan, parse, chunks, keep)
 
 
 def run_pipeline(chunks: list[str], keep: bool = False) -> list[Any] | int:
@@ -283,16 +288,7 @@ def run_pipeline(chunks: list[str], keep: bool = False) -> list[Any] | int:
 
 
 def run_python(chunks: list[str], keep: bool = False) -> list[Any] | int:
-    scan, parse = PyStopScanner(STOPS), PyOutputParser()
-    segs, n = [], 0
-    for c in chunks:
-        vis, _stop = scan.push(c)
-        got = parse.push(vis)
-        n += len(got)
-        if keep:
-            segs += got
-    got = parse.push(scan.flush()[0]) + parse.flush()
-    return segs + got if keep else n + len(got)
+    return scan_then_parse(PyStopScanner(STOPS), PyOutputParser(), chunks, keep)
 
 
 def timed(fn: Callable[[list[str]], Any], chunks: list[str]) -> tuple[float, int]:
