@@ -1,12 +1,13 @@
 """The `cairn` command: `cairn serve | generate | bench | count ...`.
 
-Each subcommand lives in its own ``_cmd_*`` function and registers its
-arguments in ``_add_*``; ``main`` only dispatches.
+Each subcommand's module provides ``add_arguments(parser)`` and ``run(args)``
+and is registered with ``_lazy``; ``main`` only dispatches.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import sys
 from collections.abc import Callable, Sequence
 
@@ -27,38 +28,28 @@ def _build_parser() -> argparse.ArgumentParser:
 _SUBCOMMANDS: list[Callable[[argparse._SubParsersAction], None]] = []
 
 
-def _add_serve(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("serve", help="serve models over the Anthropic (and OpenAI) HTTP APIs")
-    from mlx_cairn.api.server import add_arguments
+def _lazy(name: str, help: str, module: str) -> Callable[[argparse._SubParsersAction], None]:
+    """Registrar for a subcommand whose ``add_arguments`` and ``run`` live in ``module``.
 
-    add_arguments(p)
-    p.set_defaults(func=_cmd_serve)
+    The module is imported only when the parser is built, so ``import mlx_cairn.cli``
+    stays light; ``run`` is looked up when the command runs.
+    """
 
+    def add(sub: argparse._SubParsersAction) -> None:
+        p = sub.add_parser(name, help=help)
+        mod = importlib.import_module(module)
+        mod.add_arguments(p)
+        p.set_defaults(func=lambda args: importlib.import_module(module).run(args))
 
-def _cmd_serve(args: argparse.Namespace) -> int:
-    from mlx_cairn.api.server import run
-
-    return run(args)
-
-
-_SUBCOMMANDS.append(_add_serve)
-
-
-def _add_generate(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("generate", help="stream one chat answer to the terminal")
-    from mlx_cairn.chat.generate_cli import add_arguments
-
-    add_arguments(p)
-    p.set_defaults(func=_cmd_generate)
+    return add
 
 
-def _cmd_generate(args: argparse.Namespace) -> int:
-    from mlx_cairn.chat.generate_cli import run
-
-    return run(args)
-
-
-_SUBCOMMANDS.append(_add_generate)
+_SUBCOMMANDS.append(
+    _lazy("serve", "serve models over the Anthropic (and OpenAI) HTTP APIs", "mlx_cairn.api.server")
+)
+_SUBCOMMANDS.append(
+    _lazy("generate", "stream one chat answer to the terminal", "mlx_cairn.chat.generate_cli")
+)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
