@@ -14,6 +14,7 @@ import uvicorn
 
 from mlx_cairn.api import ModelRegistry, ServerConfig, create_app
 from mlx_cairn.engine import Engine
+from mlx_cairn.engine.testing import assert_at_rest
 from scripted_model import scripted_model
 
 #: The error types the Anthropic API documents.
@@ -152,6 +153,31 @@ def scripted_server(token: str, aliases: dict[str, str]) -> Iterator[dict[str, A
         srv.stop()
         for e in engines.values():
             e.close()
+
+
+def wait_until(pred: Any, what: str, timeout: float = 10.0) -> None:
+    """Poll ``pred`` until true (a functional wait, never a timing assertion)."""
+    deadline = time.monotonic() + timeout
+    while not pred():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.01)
+
+
+def settle_cancel(engine: Engine, blocker: Blocker, before: int) -> dict[str, Any]:
+    """After a client left a request the engine is held on: the server cancels it,
+    and once ``blocker`` lets go the engine counts the cancel and frees everything.
+
+    ``before`` is ``requests_cancelled`` ahead of the request; returns the
+    at-rest stats.
+    """
+    # The engine thread is held by the blocker, so the cancel waits in its inbox.
+    wait_until(lambda: bool(engine._cancels), "the server did not cancel the generation")
+    blocker.release.set()
+    wait_until(
+        lambda: engine.stats()["requests_cancelled"] >= before + 1,
+        "the engine never saw the cancel",
+    )
+    return assert_at_rest(engine)
 
 
 def sse_events(text: str) -> list[tuple[str, Any]]:

@@ -10,7 +10,6 @@ import argparse
 import http.client
 import json
 import threading
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -19,10 +18,9 @@ import anthropic
 import httpx
 import pytest
 
-from live_server import scripted_server, sse_events
+from live_server import scripted_server, settle_cancel, sse_events, wait_until
 from mlx_cairn.api import ModelRegistry, ServerConfig, create_app
 from mlx_cairn.api.server import ServeError, add_arguments, build
-from mlx_cairn.engine import Engine
 from mlx_cairn.engine.testing import assert_at_rest
 from scripted_model import say
 
@@ -288,10 +286,7 @@ def test_queue_full_is_429_with_retry_after(env: dict[str, Any]) -> None:
     assert blocker.entered.wait(10)  # admitted and running: the queue is empty again
     second = threading.Thread(target=lambda: results.append(post(env, body(model="tight"))))
     second.start()
-    deadline = time.monotonic() + 10
-    while eng.stats()["queue_depth"] < 1:
-        assert time.monotonic() < deadline
-        time.sleep(0.01)
+    wait_until(lambda: eng.stats()["queue_depth"] >= 1, "the second request never queued")
     r = post(env, body(model="tight"))
     assert_envelope(r, 429, "rate_limit_error")
     assert int(r.headers["retry-after"]) >= 1
@@ -337,21 +332,6 @@ def test_pings_while_waiting_then_the_full_order(env: dict[str, Any]) -> None:
     assert seen.rstrip("\n").split("\n")[-1].startswith(": x-session-cache=")
 
 
-def _wait_cancelled(eng: Engine, count: int) -> None:
-    deadline = time.monotonic() + 10
-    while eng.stats()["requests_cancelled"] < count:
-        assert time.monotonic() < deadline, "the engine never saw the cancel"
-        time.sleep(0.01)
-
-
-def _wait_cancel_seen(eng: Engine) -> None:
-    # The engine thread is held by the blocker, so the cancel waits in its inbox.
-    deadline = time.monotonic() + 10
-    while not eng._cancels:
-        assert time.monotonic() < deadline, "the server did not cancel the generation"
-        time.sleep(0.01)
-
-
 def test_stream_disconnect_frees_everything(env: dict[str, Any]) -> None:
     eng, blocker = env["engines"]["scripted"], env["blockers"]["scripted"]
     before = eng.stats()["requests_cancelled"]
@@ -367,10 +347,7 @@ def test_stream_disconnect_frees_everything(env: dict[str, Any]) -> None:
             if "message_start" in chunk:
                 break
     assert blocker.entered.wait(10)
-    _wait_cancel_seen(eng)
-    blocker.release.set()
-    _wait_cancelled(eng, before + 1)
-    st = assert_at_rest(eng)
+    st = settle_cancel(eng, blocker, before)
     assert st["requests_cancelled"] == before + 1
 
 
@@ -384,10 +361,7 @@ def test_non_stream_disconnect_cancels_too(env: dict[str, Any]) -> None:
     conn.request("POST", "/v1/messages", payload, {**AUTH, "content-type": "application/json"})
     assert blocker.entered.wait(10)
     conn.close()
-    _wait_cancel_seen(eng)
-    blocker.release.set()
-    _wait_cancelled(eng, before + 1)
-    st = assert_at_rest(eng)
+    st = settle_cancel(eng, blocker, before)
     assert st["requests_cancelled"] == before + 1
 
 

@@ -18,9 +18,10 @@ import httpx
 import openai
 import pytest
 
+from live_server import settle_cancel, wait_until
 from mlx_cairn.engine.testing import assert_at_rest
 from scripted_model import say
-from test_openai_support import BEARER, openai_env, sse_data, wait_until
+from test_openai_support import BEARER, openai_env, sse_data
 
 WEATHER = {
     "type": "function",
@@ -196,12 +197,7 @@ def test_stream_disconnect_cancels_and_frees(env: dict[str, Any]) -> None:
             if "chat.completion.chunk" in chunk:
                 break
     assert blocker.entered.wait(10)
-    wait_until(lambda: bool(eng._cancels), "the server did not cancel the generation")
-    blocker.release.set()
-    wait_until(
-        lambda: eng.stats()["requests_cancelled"] >= before + 1, "the engine never saw the cancel"
-    )
-    assert_at_rest(eng)
+    settle_cancel(eng, blocker, before)
 
 
 def test_non_stream_disconnect_cancels_too(env: dict[str, Any]) -> None:
@@ -216,12 +212,7 @@ def test_non_stream_disconnect_cancels_too(env: dict[str, Any]) -> None:
     )
     assert blocker.entered.wait(10)
     conn.close()
-    wait_until(lambda: bool(eng._cancels), "the server did not cancel the generation")
-    blocker.release.set()
-    wait_until(
-        lambda: eng.stats()["requests_cancelled"] >= before + 1, "the engine never saw the cancel"
-    )
-    assert_at_rest(eng)
+    settle_cancel(eng, blocker, before)
 
 
 def test_failure_mid_generation(env: dict[str, Any]) -> None:

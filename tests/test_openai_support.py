@@ -9,7 +9,6 @@ authenticates with ``Authorization: Bearer``.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -55,14 +54,6 @@ def normalize(obj: Any) -> Any:
     if isinstance(obj, list):
         return [normalize(v) for v in obj]
     return obj
-
-
-def wait_until(pred: Any, what: str, timeout: float = 10.0) -> None:
-    """Poll ``pred`` until true (a functional wait, never a timing assertion)."""
-    deadline = time.monotonic() + timeout
-    while not pred():
-        assert time.monotonic() < deadline, what
-        time.sleep(0.01)
 
 
 def sse_data(raw: str) -> list[tuple[str | None, str]]:
