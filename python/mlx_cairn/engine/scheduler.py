@@ -15,6 +15,10 @@ Each call to :meth:`Scheduler.schedule` plans one engine step::
 
 Preempted sequences drop their blocks (full ones stay in the prefix cache)
 and go back to the queue in arrival order, ahead of newer requests.
+
+Each sequence keeps its chained block hashes (``Sequence.block_hashes``) and
+extends them by the newly full blocks only, so a long generation hashes each
+token once instead of re-hashing its whole prefix whenever a block fills.
 """
 
 from __future__ import annotations
@@ -131,7 +135,11 @@ class Scheduler:
 
     def _admit(self, seq: Sequence, budget: int) -> int:
         """Admit the queue head: prefix lookup + blocks for its first chunk. 0 if it cannot."""
-        hit = list(self.cache.lookup(seq.tokens, salt=seq.prepared.salt))
+        # The kept chain covers the registered blocks (none at first admission);
+        # the rest of the tokens continue it for this lookup only.
+        head = self._hashes(seq, 0)
+        rest = seq.tokens[len(head) * self.block_size :]
+        hit = list(self.cache.lookup(self.cache.hash_blocks(rest, prefix=head)))
         computed = len(hit) * self.block_size
         n = min(len(seq.tokens) - computed, budget)
         need = self.blocks_needed(computed + n) - len(hit)
@@ -196,10 +204,25 @@ class Scheduler:
         """
         full = min(seq.num_computed, len(seq.tokens)) // self.block_size
         if full > seq.num_registered:
-            self.cache.insert(
-                seq.tokens[: full * self.block_size], seq.block_ids[:full], salt=seq.prepared.salt
-            )
+            h = self._hashes(seq, full)
+            if len(h) > full:  # recomputing after preemption: the kept chain runs ahead
+                h = self.cache.hash_blocks(
+                    seq.tokens[: full * self.block_size], salt=seq.prepared.salt
+                )
+            self.cache.insert(h, seq.block_ids[:full])
             seq.num_registered = full
+
+    def _hashes(self, seq: Sequence, num_blocks: int) -> Any:
+        """``seq``'s kept block hashes, extended by its next full blocks up to ``num_blocks``."""
+        bs = self.block_size
+        h = seq.block_hashes
+        if h is None:
+            h = seq.block_hashes = self.cache.hash_blocks([], salt=seq.prepared.salt)
+        if len(h) < num_blocks:
+            h = seq.block_hashes = self.cache.hash_blocks(
+                seq.tokens[len(h) * bs : num_blocks * bs], prefix=h
+            )
+        return h
 
     def finish(self, seq: Sequence) -> None:
         """A sequence ended: free its blocks (full ones stay cached)."""

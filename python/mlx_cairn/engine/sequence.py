@@ -68,6 +68,9 @@ class Sequence:
     block_ids: list[int] = field(default_factory=list)
     #: Number of leading blocks already registered in the prefix cache.
     num_registered: int = 0
+    #: Chained prefix-cache hashes (``mlx_cairn.kv.BlockHashes``) of the first
+    #: full blocks of ``tokens``, extended block by block; None until admission.
+    block_hashes: Any = None
     #: Prompt tokens served from the prefix cache at first admission.
     cached_tokens: int = -1
     num_preemptions: int = 0
