@@ -17,7 +17,7 @@ import pytest
 
 from mlx_cairn.engine.testing import assert_at_rest
 from scripted_model import say
-from test_openai_support import BEARER, TOKEN, normalize, openai_env, sse_data
+from test_openai_support import BEARER, TOKEN, call, normalize, openai_env, sse_data, user
 
 WEATHER = {
     "type": "function",
@@ -30,18 +30,10 @@ WEATHER = {
 CLOCK = {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object"}}}
 
 
-def call(name: str, **args: Any) -> str:
-    return f"<tool_call>\n{json.dumps({'name': name, 'arguments': args})}\n</tool_call>"
-
-
 @pytest.fixture(scope="module")
 def env() -> Iterator[dict[str, Any]]:
     with openai_env() as e:
         yield e
-
-
-def user(text: str) -> list[dict[str, Any]]:
-    return [{"role": "user", "content": text}]
 
 
 def both(client: openai.OpenAI, **kw: Any) -> tuple[Any, Any]:

@@ -21,7 +21,7 @@ import pytest
 from live_server import settle_cancel, wait_until
 from mlx_cairn.engine.testing import assert_at_rest
 from scripted_model import say
-from test_openai_support import BEARER, openai_env, sse_data
+from test_openai_support import BEARER, openai_env, sse_data, user
 
 WEATHER = {
     "type": "function",
@@ -33,10 +33,6 @@ WEATHER = {
 def env() -> Iterator[dict[str, Any]]:
     with openai_env() as e:
         yield e
-
-
-def user(text: str) -> list[dict[str, Any]]:
-    return [{"role": "user", "content": text}]
 
 
 # ---------------------------------------------------------------------- errors

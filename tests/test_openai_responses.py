@@ -18,7 +18,7 @@ import pytest
 from mlx_cairn.api.openai_responses import ResponseStore
 from mlx_cairn.engine.testing import assert_at_rest
 from scripted_model import say
-from test_openai_support import BEARER, normalize, openai_env, sse_data
+from test_openai_support import BEARER, call, normalize, openai_env, sse_data
 
 WEATHER = {
     "type": "function",
@@ -27,10 +27,6 @@ WEATHER = {
     "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
 }
 CLOCK = {"type": "function", "name": "get_time", "parameters": {"type": "object"}}
-
-
-def call(name: str, **args: Any) -> str:
-    return f"<tool_call>\n{json.dumps({'name': name, 'arguments': args})}\n</tool_call>"
 
 
 @pytest.fixture(scope="module")

@@ -9,6 +9,7 @@ authenticates with ``Authorization: Bearer``.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -34,6 +35,16 @@ def openai_env() -> Iterator[dict[str, Any]]:
             yield {**env, "client": client}
         finally:
             client.close()
+
+
+def call(name: str, **args: Any) -> str:
+    """What the scripted model says to make one Hermes-style tool call."""
+    return f"<tool_call>\n{json.dumps({'name': name, 'arguments': args})}\n</tool_call>"
+
+
+def user(text: str) -> list[dict[str, Any]]:
+    """A one-message Chat Completions ``messages`` list."""
+    return [{"role": "user", "content": text}]
 
 
 def normalize(obj: Any) -> Any:
