@@ -6,7 +6,7 @@ import json
 import socket
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
@@ -178,6 +178,29 @@ def settle_cancel(engine: Engine, blocker: Blocker, before: int) -> dict[str, An
         "the engine never saw the cancel",
     )
     return assert_at_rest(engine)
+
+
+@contextmanager
+def tight_queue_full(env: dict[str, Any], send: Callable[[], Any]) -> Iterator[None]:
+    """Hold :func:`scripted_server`'s ``tight`` full for the block: one ``send()``
+    running, one queued. Afterwards both must answer 200 and the engine be at rest."""
+    eng, blocker = env["engines"]["tight"], env["blockers"]["tight"]
+    blocker.arm()
+    results: list[Any] = []
+    first = threading.Thread(target=lambda: results.append(send()))
+    first.start()
+    assert blocker.entered.wait(10)  # admitted and running: the queue is empty again
+    second = threading.Thread(target=lambda: results.append(send()))
+    second.start()
+    wait_until(lambda: eng.stats()["queue_depth"] >= 1, "the second request never queued")
+    try:
+        yield
+    finally:
+        blocker.release.set()
+    first.join(10)
+    second.join(10)
+    assert [x.status_code for x in results] == [200, 200]
+    assert_at_rest(eng)
 
 
 def sse_events(text: str) -> list[tuple[str, Any]]:

@@ -18,7 +18,7 @@ import anthropic
 import httpx
 import pytest
 
-from live_server import scripted_server, settle_cancel, sse_events, wait_until
+from live_server import scripted_server, settle_cancel, sse_events, tight_queue_full
 from mlx_cairn.api import ModelRegistry, ServerConfig, create_app
 from mlx_cairn.api.server import ServeError, add_arguments, build
 from mlx_cairn.engine.testing import assert_at_rest
@@ -278,23 +278,10 @@ def test_context_overflow_is_400_before_any_stream_byte(env: dict[str, Any]) -> 
 
 
 def test_queue_full_is_429_with_retry_after(env: dict[str, Any]) -> None:
-    eng, blocker = env["engines"]["tight"], env["blockers"]["tight"]
-    blocker.arm()
-    results: list[httpx.Response] = []
-    first = threading.Thread(target=lambda: results.append(post(env, body(model="tight"))))
-    first.start()
-    assert blocker.entered.wait(10)  # admitted and running: the queue is empty again
-    second = threading.Thread(target=lambda: results.append(post(env, body(model="tight"))))
-    second.start()
-    wait_until(lambda: eng.stats()["queue_depth"] >= 1, "the second request never queued")
-    r = post(env, body(model="tight"))
-    assert_envelope(r, 429, "rate_limit_error")
-    assert int(r.headers["retry-after"]) >= 1
-    blocker.release.set()
-    first.join(10)
-    second.join(10)
-    assert [x.status_code for x in results] == [200, 200]
-    assert_at_rest(eng)
+    with tight_queue_full(env, lambda: post(env, body(model="tight"))):
+        r = post(env, body(model="tight"))
+        assert_envelope(r, 429, "rate_limit_error")
+        assert int(r.headers["retry-after"]) >= 1
 
 
 # ------------------------------------------------------- streams and headers

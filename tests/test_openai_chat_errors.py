@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import http.client
 import json
-import threading
 from collections.abc import Iterator
 from typing import Any
 
@@ -18,7 +17,7 @@ import httpx
 import openai
 import pytest
 
-from live_server import settle_cancel, wait_until
+from live_server import settle_cancel, tight_queue_full
 from mlx_cairn.engine.testing import assert_at_rest
 from scripted_model import say
 from test_openai_support import BEARER, openai_env, sse_data, user
@@ -161,24 +160,11 @@ def test_auth_and_size_envelopes(env: dict[str, Any]) -> None:
 
 
 def test_queue_full_is_429_with_retry_after(env: dict[str, Any]) -> None:
-    eng, blocker = env["engines"]["tight"], env["blockers"]["tight"]
-    blocker.arm()
-    results: list[httpx.Response] = []
     body = ok_body(model="tight", max_tokens=4)
-    first = threading.Thread(target=lambda: results.append(post(env, body)))
-    first.start()
-    assert blocker.entered.wait(10)
-    second = threading.Thread(target=lambda: results.append(post(env, body)))
-    second.start()
-    wait_until(lambda: eng.stats()["queue_depth"] >= 1, "the second request never queued")
-    r = post(env, body)
-    assert_openai_error(r, 429, "rate_limit_error", "rate_limit_exceeded")
-    assert int(r.headers["retry-after"]) >= 1
-    blocker.release.set()
-    first.join(10)
-    second.join(10)
-    assert [x.status_code for x in results] == [200, 200]
-    assert_at_rest(eng)
+    with tight_queue_full(env, lambda: post(env, body)):
+        r = post(env, body)
+        assert_openai_error(r, 429, "rate_limit_error", "rate_limit_exceeded")
+        assert int(r.headers["retry-after"]) >= 1
 
 
 def test_stream_disconnect_cancels_and_frees(env: dict[str, Any]) -> None:
