@@ -23,6 +23,7 @@ Rules applied here, so the streamed and the folded response agree:
 from __future__ import annotations
 
 import copy
+import json
 import secrets
 import string
 from typing import Any
@@ -274,7 +275,9 @@ def fold_events(wire: list[WireEvent]) -> dict[str, Any]:
             idx = payload["index"]
             if idx in json_bufs:
                 buf = json_bufs.pop(idx)
-                msg["content"][idx]["input"] = orjson.loads(buf) if buf else {}
+                # stdlib json: orjson turns integers past 64 bits into floats,
+                # while the SDK's accumulator (and the stream) keep them exact.
+                msg["content"][idx]["input"] = json.loads(buf) if buf else {}
         elif name == "message_delta":
             msg["stop_reason"] = payload["delta"]["stop_reason"]
             msg["stop_sequence"] = payload["delta"]["stop_sequence"]
