@@ -79,6 +79,22 @@ def test_count_tokens_equals_usage_input_tokens(engine):
     assert isinstance(done, Done) and done.usage.input_tokens == n
 
 
+def test_count_tokens_ignores_max_tokens_and_capacity(engine, lm):
+    n = engine.count_tokens(req("count me please"))
+    # max_tokens past the context, or not a valid max_tokens at all: still counted.
+    assert engine.count_tokens(req("count me please", max_tokens=lm.context_length)) == n
+    assert engine.count_tokens(req("count me please", max_tokens=0)) == n
+    # A prompt larger than the 127 x 8 token pool (and than the context) has a size too.
+    big = req("word " * (lm.context_length + 50), max_tokens=1)
+    m = engine.count_tokens(big)
+    assert m > lm.context_length > 127 * 8
+    with pytest.raises(ContextLengthExceeded):
+        engine.prepare(big)
+    with pytest.raises(InvalidRequest):
+        engine.count_tokens(ChatRequest(messages=[]))
+    assert engine.stats()["requests_requests"] == 0
+
+
 def test_async_generate_and_early_close_cancels(engine, lm):
     async def main() -> tuple[list[int], int]:
         full = engine.submit(req(max_tokens=24))

@@ -8,7 +8,6 @@ Request mapping and wire format: :mod:`mlx_cairn.protocol.openai_chat`.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 
 from fastapi import APIRouter, Request
 from starlette.responses import Response
@@ -17,7 +16,6 @@ from mlx_cairn.api.dialects import Dialect
 from mlx_cairn.api.registry import ServedModel
 from mlx_cairn.api.runner import Generation, GenerationResponse, start_generation
 from mlx_cairn.api.state import app_state, read_json
-from mlx_cairn.errors import ContextLengthExceeded
 from mlx_cairn.protocol.openai_chat import ChatCodec, parse_chat_request
 from mlx_cairn.protocol.openai_common import error_body, models_body, status_for_kind
 from mlx_cairn.types import ChatRequest
@@ -54,12 +52,8 @@ async def start_open_ended(
             capacity = (int(blocks) - 1) * int(size)
             limit = min(int(limit), capacity) if limit else capacity
         if limit:
-            probe = dataclasses.replace(chat, max_tokens=1)
-            try:
-                prompt = await asyncio.to_thread(engine.count_tokens, probe)
-            except ContextLengthExceeded:
-                prompt = int(limit)  # not even one token fits: the usual 400 below
-            if int(limit) - prompt >= 1:
+            prompt = await asyncio.to_thread(engine.count_tokens, chat)
+            if int(limit) - prompt >= 1:  # else not even one token fits: the usual 400
                 chat.max_tokens = min(chat.max_tokens, int(limit) - prompt)
     return await start_generation(sm, chat, clamp_max_tokens=clamp)
 

@@ -32,7 +32,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
 from starlette.responses import Response
@@ -98,10 +98,7 @@ def count_prompt_tokens(sm: ServedModel, chat: ChatRequest) -> int:
     A conversation longer than the context still has a size, and clients use
     it to decide when to compact; it is the prompt the engine would build.
     """
-    try:
-        return int(sm.engine.count_tokens(replace(chat, max_tokens=1)))
-    except ContextLengthExceeded:
-        return len(sm.loaded.prompt(chat).ids)
+    return int(sm.engine.count_tokens(chat))
 
 
 class _Disconnected(Exception):

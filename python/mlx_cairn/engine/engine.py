@@ -157,8 +157,13 @@ class Engine:
         )
 
     def count_tokens(self, request: ChatRequest) -> int:
-        """Prompt tokens of ``request`` (== ``usage.input_tokens`` of its generation)."""
-        return len(self.prepare(request).prompt_ids)
+        """Prompt tokens of ``request`` (== ``usage.input_tokens`` of its generation).
+
+        Renders and tokenizes only: ``max_tokens`` and sampling settings are not
+        checked, and a prompt longer than the context or the KV pool still gets
+        its size (clients use it to decide when to compact a conversation).
+        """
+        return len(_prep.render(self.loaded, request).ids)
 
     def submit(self, request: ChatRequest | PreparedRequest) -> RequestStream:
         """Queue a request; raises QueueFull at once when ``max_queue`` requests wait."""

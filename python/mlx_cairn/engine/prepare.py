@@ -41,6 +41,18 @@ def _finite(x: Any) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
 
 
+def render(loaded: Any, request: ChatRequest) -> Any:
+    """Render ``request`` through the chat template and tokenize it (no size checks)."""
+    if not request.messages:
+        raise InvalidRequest("messages must not be empty", param="messages")
+    try:
+        return loaded.prompt(request)
+    except (InvalidRequest, ContextLengthExceeded):
+        raise
+    except Exception as e:
+        raise InvalidRequest(f"could not render the chat template: {e}", param="messages") from e
+
+
 def prepare(
     loaded: Any, request: ChatRequest, *, context_length: int, max_tokens_capacity: int
 ) -> PreparedRequest:
@@ -61,12 +73,7 @@ def prepare(
                 param="stop",
             )
     sampling = validate_sampling(request.sampling)
-    try:
-        prompt = loaded.prompt(request)
-    except (InvalidRequest, ContextLengthExceeded):
-        raise
-    except Exception as e:
-        raise InvalidRequest(f"could not render the chat template: {e}", param="messages") from e
+    prompt = render(loaded, request)
     n = len(prompt.ids)
     if n == 0:
         raise InvalidRequest("the rendered prompt is empty", param="messages")
