@@ -22,21 +22,26 @@ Mapping rules:
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Any
 
 import orjson
 
 from mlx_cairn.errors import InvalidRequest
+from mlx_cairn.protocol.base import (
+    MAX_STOP_SEQUENCE_CHARS,
+    MAX_STOP_SEQUENCES,
+    MEDIA_PLACEHOLDER,
+    fail,
+    is_int,
+    is_num,
+    short,
+)
 from mlx_cairn.types import ChatRequest, Message, SamplingParams, Tool, ToolCall
 
 BILLING_HEADER_PREFIX = "x-anthropic-billing-header:"
 #: Token cap for Claude Code's session-title requests.
 TITLE_MAX_TOKENS = 48
-MAX_STOP_SEQUENCES = 64
-MAX_STOP_SEQUENCE_CHARS = 1024
-_MEDIA_PLACEHOLDER = "[{kind} omitted: this model reads text only]"
 
 
 @dataclass(slots=True)
@@ -51,18 +56,6 @@ class AnthropicRequest:
     show_thinking: bool = False
     #: A Claude Code session-title request (small cap, reasoning off).
     is_title: bool = False
-
-
-def _fail(param: str, message: str) -> InvalidRequest:
-    return InvalidRequest(f"{param}: {message}", param=param)
-
-
-def _is_int(v: Any) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
-
-
-def _is_num(v: Any) -> bool:
-    return (isinstance(v, (int, float)) and not isinstance(v, bool)) and math.isfinite(v)
 
 
 def parse_messages_request(body: Any, *, max_tokens_limit: int) -> AnthropicRequest:
@@ -80,24 +73,24 @@ def _parse(body: Any, *, max_tokens_limit: int, count_only: bool) -> AnthropicRe
         raise InvalidRequest("request body must be a JSON object")
     model = body.get("model")
     if model is None:
-        raise _fail("model", "field required")
+        raise fail("model", "field required")
     if not isinstance(model, str) or not model:
-        raise _fail("model", "must be a non-empty string")
+        raise fail("model", "must be a non-empty string")
 
     max_tokens = 1
     if not count_only:
         if "max_tokens" not in body:
-            raise _fail("max_tokens", "field required")
+            raise fail("max_tokens", "field required")
         max_tokens = body["max_tokens"]
-        if not _is_int(max_tokens):
-            raise _fail("max_tokens", "must be an integer")
+        if not is_int(max_tokens):
+            raise fail("max_tokens", "must be an integer")
         if max_tokens < 1:
-            raise _fail("max_tokens", "must be at least 1")
+            raise fail("max_tokens", "must be at least 1")
         if max_tokens > max_tokens_limit:
-            raise _fail("max_tokens", f"must be at most {max_tokens_limit} on this server")
+            raise fail("max_tokens", f"must be at most {max_tokens_limit} on this server")
 
     if "messages" not in body:
-        raise _fail("messages", "field required")
+        raise fail("messages", "field required")
     messages = _map_messages(body["messages"])
     system = _map_system(body.get("system"))
     if system:
@@ -113,7 +106,7 @@ def _parse(body: Any, *, max_tokens_limit: int, count_only: bool) -> AnthropicRe
     if stream is None:
         stream = False
     if not isinstance(stream, bool):
-        raise _fail("stream", "must be a boolean")
+        raise fail("stream", "must be a boolean")
 
     is_title = _is_title_request(body.get("output_config"))
     if is_title:
@@ -142,18 +135,18 @@ def _map_system(system: Any) -> str:
     if isinstance(system, str):
         return system
     if not isinstance(system, list):
-        raise _fail("system", "must be a string or a list of text blocks")
+        raise fail("system", "must be a string or a list of text blocks")
     texts: list[str] = []
     dropped_billing = False
     for i, block in enumerate(system):
         param = f"system[{i}]"
         if not isinstance(block, dict):
-            raise _fail(param, "must be an object")
+            raise fail(param, "must be an object")
         if block.get("type") != "text":
-            raise _fail(f"{param}.type", "system blocks must be of type 'text'")
+            raise fail(f"{param}.type", "system blocks must be of type 'text'")
         text = block.get("text")
         if not isinstance(text, str):
-            raise _fail(f"{param}.text", "must be a string")
+            raise fail(f"{param}.text", "must be a string")
         if not dropped_billing and text.startswith(BILLING_HEADER_PREFIX):
             dropped_billing = True  # rotating nonce: keep it out of the prompt
             continue
@@ -166,27 +159,27 @@ def _map_system(system: Any) -> str:
 
 def _map_messages(raw: Any) -> list[Message]:
     if not isinstance(raw, list):
-        raise _fail("messages", "must be a list")
+        raise fail("messages", "must be a list")
     if not raw:
-        raise _fail("messages", "must not be empty")
+        raise fail("messages", "must not be empty")
     out: list[Message] = []
     tool_order: dict[str, int] = {}  # tool_use id -> position in the last assistant turn
     tool_names: dict[str, str] = {}
     for i, m in enumerate(raw):
         param = f"messages[{i}]"
         if not isinstance(m, dict):
-            raise _fail(param, "must be an object")
+            raise fail(param, "must be an object")
         role = m.get("role")
         if role not in ("user", "assistant"):
-            raise _fail(f"{param}.role", f"must be 'user' or 'assistant', got {_short(role)}")
+            raise fail(f"{param}.role", f"must be 'user' or 'assistant', got {short(role)}")
         if "content" not in m:
-            raise _fail(f"{param}.content", "field required")
+            raise fail(f"{param}.content", "field required")
         content = m["content"]
         if isinstance(content, str):
             out.append(Message(role, content))
             continue
         if not isinstance(content, list):
-            raise _fail(f"{param}.content", "must be a string or a list of content blocks")
+            raise fail(f"{param}.content", "must be a string or a list of content blocks")
         if role == "assistant":
             msg = _map_assistant(content, param)
             tool_order = {tc.id: k for k, tc in enumerate(msg.tool_calls)}
@@ -199,17 +192,17 @@ def _map_messages(raw: Any) -> list[Message]:
 
 def _block(block: Any, param: str) -> str:
     if not isinstance(block, dict):
-        raise _fail(param, "content block must be an object")
+        raise fail(param, "content block must be an object")
     kind = block.get("type")
     if not isinstance(kind, str):
-        raise _fail(f"{param}.type", "field required")
+        raise fail(f"{param}.type", "field required")
     return kind
 
 
 def _text_of(block: dict[str, Any], param: str) -> str:
     text = block.get("text")
     if not isinstance(text, str):
-        raise _fail(f"{param}.text", "must be a string")
+        raise fail(f"{param}.text", "must be a string")
     return text
 
 
@@ -225,16 +218,16 @@ def _map_assistant(content: list[Any], param: str) -> Message:
         elif kind == "thinking":
             thinking = block.get("thinking")
             if not isinstance(thinking, str):
-                raise _fail(f"{bp}.thinking", "must be a string")
+                raise fail(f"{bp}.thinking", "must be a string")
             reasoning.append(thinking)
         elif kind == "redacted_thinking":
             continue  # opaque to us
         elif kind == "tool_use":
             calls.append(_map_tool_use(block, bp))
         elif kind in ("image", "document"):
-            texts.append(_MEDIA_PLACEHOLDER.format(kind=kind))
+            texts.append(MEDIA_PLACEHOLDER.format(kind=kind))
         else:
-            raise _fail(f"{bp}.type", f"unsupported content block type {_short(kind)}")
+            raise fail(f"{bp}.type", f"unsupported content block type {short(kind)}")
     return Message(
         "assistant",
         "".join(texts),
@@ -246,15 +239,15 @@ def _map_assistant(content: list[Any], param: str) -> Message:
 def _map_tool_use(block: dict[str, Any], bp: str) -> ToolCall:
     tid, name, args = block.get("id"), block.get("name"), block.get("input", {})
     if not isinstance(tid, str) or not tid:
-        raise _fail(f"{bp}.id", "must be a non-empty string")
+        raise fail(f"{bp}.id", "must be a non-empty string")
     if not isinstance(name, str) or not name:
-        raise _fail(f"{bp}.name", "must be a non-empty string")
+        raise fail(f"{bp}.name", "must be a non-empty string")
     if not isinstance(args, dict):
-        raise _fail(f"{bp}.input", "must be an object")
+        raise fail(f"{bp}.input", "must be an object")
     try:
         arguments = orjson.dumps(args).decode()
     except TypeError:  # nested deeper than orjson writes
-        raise _fail(f"{bp}.input", "is nested too deeply") from None
+        raise fail(f"{bp}.input", "is nested too deeply") from None
     return ToolCall(tid, name, arguments)
 
 
@@ -273,9 +266,9 @@ def _map_user(
             # Stable sort key: the assistant's tool_use order, unknown ids last.
             results.append((tool_order.get(msg.tool_call_id or "", len(tool_order)), j, msg))
         elif kind in ("image", "document"):
-            texts.append(_MEDIA_PLACEHOLDER.format(kind=kind))
+            texts.append(MEDIA_PLACEHOLDER.format(kind=kind))
         else:
-            raise _fail(f"{bp}.type", f"unsupported content block type {_short(kind)}")
+            raise fail(f"{bp}.type", f"unsupported content block type {short(kind)}")
     out = [m for _, _, m in sorted(results, key=lambda r: (r[0], r[1]))]
     if texts or not results:
         out.append(Message("user", "\n".join(texts)))
@@ -285,12 +278,12 @@ def _map_user(
 def _map_tool_result(block: dict[str, Any], bp: str, tool_names: dict[str, str]) -> Message:
     tid = block.get("tool_use_id")
     if not isinstance(tid, str) or not tid:
-        raise _fail(f"{bp}.tool_use_id", "must be a non-empty string")
+        raise fail(f"{bp}.tool_use_id", "must be a non-empty string")
     is_error = block.get("is_error", False)
     if is_error is None:
         is_error = False
     if not isinstance(is_error, bool):
-        raise _fail(f"{bp}.is_error", "must be a boolean")
+        raise fail(f"{bp}.is_error", "must be a boolean")
     raw = block.get("content", "")
     if raw is None:
         raw = ""
@@ -304,12 +297,12 @@ def _map_tool_result(block: dict[str, Any], bp: str, tool_names: dict[str, str])
             if kind == "text":
                 parts.append(_text_of(sub, sp))
             elif kind in ("image", "document"):
-                parts.append(_MEDIA_PLACEHOLDER.format(kind=kind))
+                parts.append(MEDIA_PLACEHOLDER.format(kind=kind))
             else:
-                raise _fail(f"{sp}.type", f"unsupported content block type {_short(kind)}")
+                raise fail(f"{sp}.type", f"unsupported content block type {short(kind)}")
         text = "\n".join(parts)
     else:
-        raise _fail(f"{bp}.content", "must be a string or a list of content blocks")
+        raise fail(f"{bp}.content", "must be a string or a list of content blocks")
     return Message("tool", text, tool_call_id=tid, name=tool_names.get(tid), is_error=is_error)
 
 
@@ -320,26 +313,26 @@ def _map_tools(raw: Any) -> list[Tool]:
     if raw is None:
         return []
     if not isinstance(raw, list):
-        raise _fail("tools", "must be a list")
+        raise fail("tools", "must be a list")
     tools: list[Tool] = []
     for i, t in enumerate(raw):
         param = f"tools[{i}]"
         if not isinstance(t, dict):
-            raise _fail(param, "must be an object")
+            raise fail(param, "must be an object")
         kind = t.get("type")
         if kind not in (None, "custom") and "input_schema" not in t:
             continue  # a server-side tool (web search, ...): nothing a local model can run
         name = t.get("name")
         if not isinstance(name, str) or not name:
-            raise _fail(f"{param}.name", "must be a non-empty string")
+            raise fail(f"{param}.name", "must be a non-empty string")
         schema = t.get("input_schema")
         if not isinstance(schema, dict):
-            raise _fail(f"{param}.input_schema", "must be a JSON Schema object")
+            raise fail(f"{param}.input_schema", "must be a JSON Schema object")
         desc = t.get("description", "")
         if desc is None:
             desc = ""
         if not isinstance(desc, str):
-            raise _fail(f"{param}.description", "must be a string")
+            raise fail(f"{param}.description", "must be a string")
         tools.append(Tool(name, desc, schema))
     return tools
 
@@ -348,7 +341,7 @@ def _map_tool_choice(raw: Any) -> str | dict[str, Any] | None:
     if raw is None:
         return None
     if not isinstance(raw, dict):
-        raise _fail("tool_choice", "must be an object")
+        raise fail("tool_choice", "must be an object")
     kind = raw.get("type")
     if kind == "auto":
         return "auto"
@@ -359,16 +352,16 @@ def _map_tool_choice(raw: Any) -> str | dict[str, Any] | None:
     if kind == "tool":
         name = raw.get("name")
         if not isinstance(name, str) or not name:
-            raise _fail("tool_choice.name", "must be a non-empty string")
+            raise fail("tool_choice.name", "must be a non-empty string")
         return {"name": name}
-    raise _fail("tool_choice.type", "must be one of 'auto', 'any', 'tool', 'none'")
+    raise fail("tool_choice.type", "must be one of 'auto', 'any', 'tool', 'none'")
 
 
 def _map_thinking(raw: Any) -> bool:
     if raw is None:
         return False
     if not isinstance(raw, dict):
-        raise _fail("thinking", "must be an object")
+        raise fail("thinking", "must be an object")
     kind = raw.get("type")
     if kind == "disabled":
         return False
@@ -376,28 +369,28 @@ def _map_thinking(raw: Any) -> bool:
         return True
     if kind == "enabled":
         budget = raw.get("budget_tokens")
-        if budget is not None and (not _is_int(budget) or budget < 1):
-            raise _fail("thinking.budget_tokens", "must be a positive integer")
+        if budget is not None and (not is_int(budget) or budget < 1):
+            raise fail("thinking.budget_tokens", "must be a positive integer")
         return True
-    raise _fail("thinking.type", "must be 'enabled', 'disabled' or 'adaptive'")
+    raise fail("thinking.type", "must be 'enabled', 'disabled' or 'adaptive'")
 
 
 def _map_sampling(body: dict[str, Any]) -> SamplingParams:
     sp = SamplingParams()
     t = body.get("temperature")
     if t is not None:
-        if not _is_num(t) or not 0.0 <= t <= 1.0:
-            raise _fail("temperature", "must be a number between 0 and 1")
+        if not is_num(t) or not 0.0 <= t <= 1.0:
+            raise fail("temperature", "must be a number between 0 and 1")
         sp.temperature = float(t)
     p = body.get("top_p")
     if p is not None:
-        if not _is_num(p) or not 0.0 < p <= 1.0:
-            raise _fail("top_p", "must be a number in (0, 1]")
+        if not is_num(p) or not 0.0 < p <= 1.0:
+            raise fail("top_p", "must be a number in (0, 1]")
         sp.top_p = float(p)
     k = body.get("top_k")
     if k is not None:
-        if not _is_int(k) or k < 0:
-            raise _fail("top_k", "must be a non-negative integer")
+        if not is_int(k) or k < 0:
+            raise fail("top_k", "must be a non-negative integer")
         sp.top_k = k
     return sp
 
@@ -406,14 +399,14 @@ def _map_stop(raw: Any) -> list[str]:
     if raw is None:
         return []
     if not isinstance(raw, list):
-        raise _fail("stop_sequences", "must be a list of strings")
+        raise fail("stop_sequences", "must be a list of strings")
     if len(raw) > MAX_STOP_SEQUENCES:
-        raise _fail("stop_sequences", f"at most {MAX_STOP_SEQUENCES} entries")
+        raise fail("stop_sequences", f"at most {MAX_STOP_SEQUENCES} entries")
     for i, s in enumerate(raw):
         if not isinstance(s, str) or not s:
-            raise _fail(f"stop_sequences[{i}]", "must be a non-empty string")
+            raise fail(f"stop_sequences[{i}]", "must be a non-empty string")
         if len(s) > MAX_STOP_SEQUENCE_CHARS:
-            raise _fail(f"stop_sequences[{i}]", f"at most {MAX_STOP_SEQUENCE_CHARS} characters")
+            raise fail(f"stop_sequences[{i}]", f"at most {MAX_STOP_SEQUENCE_CHARS} characters")
     return list(raw)
 
 
@@ -427,8 +420,3 @@ def _is_title_request(output_config: Any) -> bool:
     schema = fmt.get("schema")
     props = schema.get("properties") if isinstance(schema, dict) else None
     return isinstance(props, dict) and "title" in props
-
-
-def _short(v: Any) -> str:
-    s = repr(v)
-    return s if len(s) <= 40 else s[:37] + "..."

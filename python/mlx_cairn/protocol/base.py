@@ -20,10 +20,12 @@ does the rest (pings, disconnects, headers, errors).
 from __future__ import annotations
 
 import json
+import math
 from typing import Any, Protocol
 
 import orjson
 
+from mlx_cairn.errors import InvalidRequest
 from mlx_cairn.protocol.sse import frame
 from mlx_cairn.types import Event
 
@@ -62,3 +64,33 @@ def json_bytes(obj: Any) -> bytes:
         return orjson.dumps(obj)
     except TypeError:
         return json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode()
+
+
+# ------------------------------------------ request validation (every dialect)
+
+#: Stop sequences per request, and characters per stop (the engine's limits).
+MAX_STOP_SEQUENCES = 64
+MAX_STOP_SEQUENCE_CHARS = 1024
+#: What an image, document or audio part becomes: the models served read text only.
+MEDIA_PLACEHOLDER = "[{kind} omitted: this model reads text only]"
+
+
+def fail(param: str, message: str) -> InvalidRequest:
+    """A 400 naming ``param``."""
+    return InvalidRequest(f"{param}: {message}", param=param)
+
+
+def is_int(v: Any) -> bool:
+    """An int that is not a bool."""
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def is_num(v: Any) -> bool:
+    """A finite int or float that is not a bool."""
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def short(v: Any) -> str:
+    """``repr(v)`` cut to 40 characters, for error messages."""
+    s = repr(v)
+    return s if len(s) <= 40 else s[:37] + "..."

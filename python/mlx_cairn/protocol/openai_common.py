@@ -23,20 +23,24 @@ Error types by status (``code`` refines a few)::
 
 from __future__ import annotations
 
-import math
 import secrets
 import string
 from typing import Any
 
 import orjson
 
-from mlx_cairn.errors import InvalidRequest
+from mlx_cairn.protocol.base import (
+    MAX_STOP_SEQUENCE_CHARS,
+    MAX_STOP_SEQUENCES,
+    MEDIA_PLACEHOLDER,
+    fail,
+    is_int,
+    is_num,
+    short,
+)
 from mlx_cairn.types import ChatRequest, Message, SamplingParams, Tool, ToolCall
 
 _ALNUM = string.ascii_letters + string.digits
-MAX_STOP_SEQUENCES = 64
-MAX_STOP_SEQUENCE_CHARS = 1024
-_MEDIA_PLACEHOLDER = "[{kind} omitted: this model reads text only]"
 
 _STATUS_TYPES: dict[int, str] = {
     400: "invalid_request_error",
@@ -120,24 +124,6 @@ def models_body(models: list[Any]) -> dict[str, Any]:
 
 
 # ---------------------------------------------------------------- validation
-
-
-def fail(param: str, message: str) -> InvalidRequest:
-    """A 400 naming ``param``."""
-    return InvalidRequest(f"{param}: {message}", param=param)
-
-
-def is_int(v: Any) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
-
-
-def is_num(v: Any) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
-
-
-def short(v: Any) -> str:
-    s = repr(v)
-    return s if len(s) <= 40 else s[:37] + "..."
 
 
 def opt_bool(body: dict[str, Any], key: str, default: bool) -> bool:
@@ -290,7 +276,7 @@ def content_text(raw: Any, param: str, text_types: tuple[str, ...]) -> str:
                 raise fail(f"{pp}.refusal", "must be a string")
             out.append(text)
         elif kind in ("image_url", "input_image", "input_audio", "file", "input_file"):
-            out.append(_MEDIA_PLACEHOLDER.format(kind=kind))
+            out.append(MEDIA_PLACEHOLDER.format(kind=kind))
         else:
             raise fail(f"{pp}.type", f"unsupported content part type {short(kind)}")
     return "".join(out)
