@@ -35,6 +35,7 @@ from mlx_cairn.protocol.base import (
     fail,
     is_int,
     is_num,
+    required_model,
     short,
 )
 from mlx_cairn.types import ChatRequest, Message, SamplingParams, Tool, ToolCall
@@ -71,11 +72,7 @@ def parse_count_tokens_request(body: Any) -> AnthropicRequest:
 def _parse(body: Any, *, max_tokens_limit: int, count_only: bool) -> AnthropicRequest:
     if not isinstance(body, dict):
         raise InvalidRequest("request body must be a JSON object")
-    model = body.get("model")
-    if model is None:
-        raise fail("model", "field required")
-    if not isinstance(model, str) or not model:
-        raise fail("model", "must be a non-empty string")
+    model = required_model(body)
 
     max_tokens = 1
     if not count_only:

@@ -94,3 +94,13 @@ def short(v: Any) -> str:
     """``repr(v)`` cut to 40 characters, for error messages."""
     s = repr(v)
     return s if len(s) <= 40 else s[:37] + "..."
+
+
+def required_model(body: dict[str, Any]) -> str:
+    """``model``: a required non-empty string."""
+    model = body.get("model")
+    if model is None:
+        raise fail("model", "field required")
+    if not isinstance(model, str) or not model:
+        raise fail("model", "must be a non-empty string")
+    return model

@@ -41,7 +41,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from mlx_cairn.errors import InvalidRequest
-from mlx_cairn.protocol.base import WireEvent
+from mlx_cairn.protocol.base import WireEvent, required_model
 from mlx_cairn.protocol.openai_common import (
     CallIds,
     TextGate,
@@ -55,7 +55,6 @@ from mlx_cairn.protocol.openai_common import (
     new_id,
     opt_bool,
     opt_max_tokens,
-    required_model,
     sampling_params,
     short,
     status_for_kind,

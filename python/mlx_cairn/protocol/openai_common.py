@@ -144,16 +144,6 @@ def opt_number(body: dict[str, Any], key: str, lo: float, hi: float) -> float | 
     return float(v)
 
 
-def required_model(body: dict[str, Any]) -> str:
-    """``model``: a required non-empty string."""
-    model = body.get("model")
-    if model is None:
-        raise fail("model", "field required")
-    if not isinstance(model, str) or not model:
-        raise fail("model", "must be a non-empty string")
-    return model
-
-
 def sampling_params(body: dict[str, Any]) -> SamplingParams:
     """``temperature`` (0 to 2) and ``top_p`` (above 0, at most 1)."""
     sampling = SamplingParams()

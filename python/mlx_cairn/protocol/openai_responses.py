@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from mlx_cairn.errors import CairnError, InvalidRequest
+from mlx_cairn.protocol.base import required_model
 from mlx_cairn.protocol.openai_common import (
     chat_request,
     content_text,
@@ -37,7 +38,6 @@ from mlx_cairn.protocol.openai_common import (
     json_object,
     opt_bool,
     opt_max_tokens,
-    required_model,
     sampling_params,
     short,
     tool_choice,
