@@ -14,7 +14,7 @@ Reports:
 
 Usage::
 
-    .venv/bin/python bench/bench_models.py [--rounds 3] [--decode 32] [--prompt 2000] [--prefill-rounds 1]
+    .venv/bin/python bench/bench_models.py [--rounds 3] [--decode 32] [--prompt 2000] [--prefill-rounds 1] [--prefill-sdpa]
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ from mlx.utils import tree_flatten  # isort: skip
 
 from mlx_cairn.engine.reference import generate_tokens, prefill  # isort: skip
 from mlx_cairn.models import ContiguousKVCache, load  # isort: skip
-from mlx_cairn.models import cpu_layout  # isort: skip
+from mlx_cairn.models import cpu_layout, llama  # isort: skip
 from mlx_cairn.models.cpu_layout import BlockedLinear, hf_parameters  # isort: skip
 from mlx_cairn.models.export import save_folder  # isort: skip
 from mlx_cairn.types import SamplingParams  # isort: skip
@@ -97,6 +97,20 @@ class Ours:
 
     def stream(self, prompt: list[int], n: int) -> Iterator[int]:
         return generate_tokens(self.lm.model, prompt, max_tokens=n, sampling=GREEDY)
+
+
+class OursMlxSdpa(Ours):
+    """The reference loop with MLX's ``scaled_dot_product_attention`` for prefill too (the old path)."""
+
+    def stream(self, prompt: list[int], n: int) -> Iterator[int]:
+        fast = llama.attention
+        llama.attention = lambda q, k, v, scale, mask: mx.fast.scaled_dot_product_attention(
+            q, k, v, scale=scale, mask=mask
+        )
+        try:
+            yield from super().stream(prompt, n)
+        finally:
+            llama.attention = fast
 
 
 class Theirs:
@@ -211,6 +225,11 @@ def main() -> None:
     ap.add_argument("--prefill-rounds", type=int, default=1)
     ap.add_argument("--profile-plain", action="store_true", help="also profile the plain layout")
     ap.add_argument("--prompt", type=int, default=2000, help="prompt tokens for the prefill run")
+    ap.add_argument(
+        "--prefill-sdpa",
+        action="store_true",
+        help="also prefill with MLX's fused-op attention instead of the CPU prefill path",
+    )
     args = ap.parse_args()
 
     t = time.perf_counter()
@@ -227,6 +246,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as d:
         save_folder(lm, d)
         sides = {"mlx-cairn": Ours(lm), "mlx-cairn, plain layout": Ours(plain), "mlx_lm": Theirs(d)}
+    prefill_only = {"mlx-cairn, MLX SDPA": OursMlxSdpa(lm)} if args.prefill_sdpa else {}
 
     chat = "<|im_start|>user\nTell me a long story about a brave little cat.<|im_end|>\n<|im_start|>assistant\n"
     short = lm.tokenizer.encode(chat)
@@ -240,13 +260,16 @@ def main() -> None:
 
     bw = copy_bandwidth()
     dec: dict[str, list[tuple[float, float]]] = {k: [] for k in sides}
-    pre: dict[str, list[float]] = {k: [] for k in sides}
+    pre: dict[str, list[float]] = {k: [] for k in (*sides, *prefill_only)}
     names = list(sides)
+    everyone = names + list(prefill_only)
     for r in range(args.rounds):
-        order = names[r % len(names) :] + names[: r % len(names)]  # rotate who goes first
+        # Rotate who goes first.
+        order = everyone[r % len(everyone) :] + everyone[: r % len(everyone)]
         for name in order:
-            side = sides[name]
-            dec[name].append(_timed_stream(side.stream(short, args.decode)))
+            side = sides.get(name) or prefill_only[name]
+            if name in sides:
+                dec[name].append(_timed_stream(side.stream(short, args.decode)))
             if r < args.prefill_rounds and "plain" not in name:  # the layout only matters for M = 1
                 pre[name].append(_time_to_first(side.stream(long_prompt, 1), len(long_prompt)))
         print(
@@ -278,6 +301,16 @@ def main() -> None:
             f"| {name} | {best_dec[name]:.2f} | {statistics.median(tps):.2f} | {cpu_ms:.0f} | "
             f"{ratio:.2f}x | {best_dec[name] * bpt / bw:.0%} | "
             f"{best_pre[name]:.1f} | {best_pre[name] / best_pre[base]:.2f}x |"
+        )
+    for name in prefill_only:
+        print(
+            f"| {name} | | | | | | {best_pre[name]:.1f} | {best_pre[name] / best_pre[base]:.2f}x |"
+        )
+    if pre["mlx-cairn"] and len(pre) > 1:
+        per_round = {k: v for k, v in pre.items() if v}
+        print(
+            "prefill tok/s per round: "
+            + "; ".join(f"{k} " + ", ".join(f"{x:.1f}" for x in v) for k, v in per_round.items())
         )
 
     for label, model in (("mlx-cairn", lm), ("plain layout", plain))[
