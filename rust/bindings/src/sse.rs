@@ -1,5 +1,5 @@
 //! Python wrappers for `cairn-sse`: frame encoders and `SseDecoder`.
-use std::sync::Mutex;
+use std::sync::{Mutex, MutexGuard};
 
 use cairn_sse::{
     encode_comment_into, encode_event_into, Decoder, Event, EventFields, SseError, PING_FRAME,
@@ -119,6 +119,15 @@ pub struct PySseDecoder {
     inner: Mutex<Decoder>,
 }
 
+impl PySseDecoder {
+    /// The decoder behind the lock.
+    fn decoder(&self) -> MutexGuard<'_, Decoder> {
+        // A panic inside the core already surfaced as an exception; the decoder's
+        // own error checks decide what happens to the next chunk.
+        self.inner.lock().unwrap_or_else(|e| e.into_inner())
+    }
+}
+
 #[pymethods]
 impl PySseDecoder {
     #[new]
@@ -149,34 +158,24 @@ impl PySseDecoder {
             )));
         };
         let mut out = Vec::new();
-        let mut d = self.inner.lock().unwrap_or_else(|e| e.into_inner());
+        let mut d = self.decoder();
         d.feed(&bytes, &mut out).map_err(sse_err)?;
         drop(d);
         Ok(out.into_iter().map(PySseEvent::from).collect())
     }
 
     fn finish(&self) -> bool {
-        self.inner
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .finish()
+        self.decoder().finish()
     }
 
     #[getter]
     fn has_partial(&self) -> bool {
-        self.inner
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .has_partial()
+        self.decoder().has_partial()
     }
 
     #[getter]
     fn last_event_id(&self) -> Option<String> {
-        self.inner
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .last_event_id()
-            .map(String::from)
+        self.decoder().last_event_id().map(String::from)
     }
 }
 
