@@ -8,7 +8,7 @@ import threading
 import pytest
 
 import mlx_cairn
-from mlx_cairn.engine import Engine
+from mlx_cairn.engine import Engine, paged
 from mlx_cairn.engine.testing import assert_at_rest, greedy_reference
 from mlx_cairn.errors import ContextLengthExceeded, EngineError, InvalidRequest
 from mlx_cairn.models.testing import tiny_model
@@ -214,11 +214,33 @@ def test_pool_sizing(lm):
     default = Engine(lm)
     try:
         st = default.stats()
-        # Enough for max_batch full contexts, never more.
-        assert st["blocks_total"] * 16 <= 16 * lm.context_length + 16
-        assert st["blocks_total"] >= 1
+        # Enough for max_batch full contexts, never more (the tiny model's are small).
+        assert st["blocks_total"] == 16 * lm.context_length // 16
+        assert st["kv_cache_bytes"] <= paged.DEFAULT_MAX_BYTES
     finally:
         default.close()
+
+
+@pytest.mark.parametrize(
+    ("context", "max_batch", "avail_gib", "blocks"),
+    [
+        (8192, 16, 64, 2048),  # 16 contexts would take 8 GiB: the 2 GiB cap binds
+        (65536, 16, 64, 4097),  # one context needs 4 GiB: the cap rises to it
+        (8192, 16, 2, 512),  # a quarter of available memory binds
+        (8192, 2, 64, 1025),  # max_batch full contexts is enough
+    ],
+)
+def test_default_pool_rule(monkeypatch, context, max_batch, avail_gib, blocks):
+    monkeypatch.setattr(paged, "available_memory_bytes", lambda: avail_gib << 30)
+    got = paged.pool_blocks(
+        1 << 20,  # 1 MiB per 16-token block
+        num_blocks=None,
+        kv_cache_gb=None,
+        default_tokens=max_batch * context,
+        block_size=16,
+        context_tokens=context,
+    )
+    assert got == blocks
 
 
 def test_stats_keys(engine):

@@ -59,9 +59,10 @@ class Engine:
 
     Args:
         loaded_model: a ``mlx_cairn.models.LoadedModel``.
-        kv_cache_gb: KV pool size in GiB (all layers, K and V). Default: a
-            quarter of available memory, capped at what ``max_batch`` full
-            contexts need. Refused if it exceeds 90% of available memory.
+        kv_cache_gb: KV pool size in GiB (all layers, K and V). Default: what
+            ``max_batch`` full contexts need, capped at 2 GiB (or at one full
+            context when that alone is larger) and at a quarter of available
+            memory. Refused if it exceeds 90% of available memory.
         num_blocks: exact number of blocks instead (block 0 is reserved);
             overrides ``kv_cache_gb``.
         block_size: tokens per block.
@@ -105,6 +106,7 @@ class Engine:
             kv_cache_gb=kv_cache_gb,
             default_tokens=max_batch * int(loaded_model.context_length),
             block_size=block_size,
+            context_tokens=int(loaded_model.context_length),
         )
         self.block_size = block_size
         self.max_queue = max_queue

@@ -25,6 +25,8 @@ import numpy as np
 
 #: Fraction of available memory the default pool may take.
 DEFAULT_MEMORY_FRACTION = 0.25
+#: The default pool stays under this, unless one full context alone needs more.
+DEFAULT_MAX_BYTES = 2 << 30
 #: Never leave less than this fraction of available memory when sizing explicitly.
 MAX_MEMORY_FRACTION = 0.9
 
@@ -60,12 +62,15 @@ def pool_blocks(
     kv_cache_gb: float | None,
     default_tokens: int,
     block_size: int,
+    context_tokens: int = 0,
 ) -> int:
     """Number of blocks for the pools: explicit, from a GiB budget, or a default.
 
-    The default is :data:`DEFAULT_MEMORY_FRACTION` of available memory, capped
-    at ``default_tokens`` (e.g. max_batch full contexts). Raises ValueError
-    when the pool would not fit in available memory or is too small.
+    The default is the smallest of: ``default_tokens`` (e.g. max_batch full
+    contexts), :data:`DEFAULT_MAX_BYTES` (raised to ``context_tokens`` when one
+    full context needs more) and :data:`DEFAULT_MEMORY_FRACTION` of available
+    memory. Raises ValueError when the pool would not fit in available memory
+    or is too small.
     """
     avail = available_memory_bytes()
     if num_blocks is not None:
@@ -75,8 +80,10 @@ def pool_blocks(
             raise ValueError(f"kv_cache_gb must be positive, got {kv_cache_gb!r}")
         want = int(kv_cache_gb * (1 << 30)) // per_block
     else:
-        enough = -(-default_tokens // block_size) + 1
-        want = min(int(avail * DEFAULT_MEMORY_FRACTION) // per_block, enough)
+        enough = -(-default_tokens // block_size) + 1  # + the null block
+        one_context = -(-context_tokens // block_size) + 1
+        cap = max(DEFAULT_MAX_BYTES // per_block, one_context)
+        want = min(int(avail * DEFAULT_MEMORY_FRACTION) // per_block, enough, cap)
     if want < 2:
         raise ValueError(
             f"KV pool of {want} blocks is too small ({per_block} bytes per block, "
