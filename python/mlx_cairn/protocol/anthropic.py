@@ -141,9 +141,7 @@ def _map_system(system: Any) -> str:
             raise fail(param, "must be an object")
         if block.get("type") != "text":
             raise fail(f"{param}.type", "system blocks must be of type 'text'")
-        text = block.get("text")
-        if not isinstance(text, str):
-            raise fail(f"{param}.text", "must be a string")
+        text = _text_of(block, param)
         if not dropped_billing and text.startswith(BILLING_HEADER_PREFIX):
             dropped_billing = True  # rotating nonce: keep it out of the prompt
             continue
@@ -196,10 +194,11 @@ def _block(block: Any, param: str) -> str:
     return kind
 
 
-def _text_of(block: dict[str, Any], param: str) -> str:
-    text = block.get("text")
+def _text_of(block: dict[str, Any], param: str, key: str = "text") -> str:
+    """The string field ``key`` of a content block."""
+    text = block.get(key)
     if not isinstance(text, str):
-        raise fail(f"{param}.text", "must be a string")
+        raise fail(f"{param}.{key}", "must be a string")
     return text
 
 
@@ -213,10 +212,7 @@ def _map_assistant(content: list[Any], param: str) -> Message:
         if kind == "text":
             texts.append(_text_of(block, bp))
         elif kind == "thinking":
-            thinking = block.get("thinking")
-            if not isinstance(thinking, str):
-                raise fail(f"{bp}.thinking", "must be a string")
-            reasoning.append(thinking)
+            reasoning.append(_text_of(block, bp, "thinking"))
         elif kind == "redacted_thinking":
             continue  # opaque to us
         elif kind == "tool_use":
