@@ -85,6 +85,13 @@ def test_matches_fast_sdpa_array_masks(mask_shape, kind, chunk):
     _close(_cpu_prefill_attention(q, k, v, 0.25, mask), want)
 
 
+def test_fully_masked_row_averages_like_mlx():
+    q, k, v = _qkv(1, 4, 2, 3, 6, seed=12)
+    mask = mx.array([[True] * 6, [False] * 6, [True] + [False] * 5])
+    want = mx.fast.scaled_dot_product_attention(q, k, v, scale=0.25, mask=mask)
+    _close(_cpu_prefill_attention(q, k, v, 0.25, mask), want)
+
+
 def test_large_scores_are_shifted_not_overflowed():
     # Scores in the hundreds: exp without the max shift would overflow fp32.
     q, k, v = _qkv(1, 4, 2, 24, 64, d=16, seed=11, spread=8.0)

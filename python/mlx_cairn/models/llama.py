@@ -169,6 +169,8 @@ _FIT_X = np.linspace(-1.0, 0.0, 20001)
 _EXP2_COEFFS = [float(c) for c in np.polyfit(_FIT_X, 2.0**_FIT_X, 5)]
 #: Query rows per chunk are chosen so one chunk's scores hold about this many floats.
 _CHUNK_SCORES = 2_000_000
+#: Score of a masked key: finite, as in MLX, so a fully masked row averages all keys.
+_MASKED = float(np.finfo(np.float32).min)
 
 
 def _exp2_shifted(s: mx.array, m: mx.array) -> mx.array:
@@ -253,14 +255,14 @@ def _cpu_prefill_attention(
             end = T - L + i1
             s = qc @ kt[..., :end]
             seen = mx.arange(T - L + i0, end)[:, None] >= mx.arange(end)[None, :]
-            s = mx.where(seen, s, -mx.inf)
+            s = mx.where(seen, s, _MASKED)
             vc = v5[:, :, :, :end]
         else:
             s = qc @ kt
             vc = v5
             if m5 is not None:
                 mc = m5 if m5.shape[-2] == 1 else m5[..., i0:i1, :]
-                s = mx.where(mc, s, -mx.inf) if mc.dtype == mx.bool_ else s + mc
+                s = mx.where(mc, s, _MASKED) if mc.dtype == mx.bool_ else s + mc
         p = _exp2(s, s.max(-1, keepdims=True))
         outs.append((p @ vc) / p.sum(-1, keepdims=True))
     out = outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=3)
