@@ -195,6 +195,10 @@ class PagedKVCache:
         key_pos = np.arange(nblk * bs)[None, None, :]
         self._mask = mx.array((key_pos <= pos[:, :, None])[:, None, :, :])
         self._offsets = mx.array(offs.astype(np.int32))
+        # On the CPU, attention over the transposed gather view costs about twice
+        # as much as one copy into [B, kvh, T, hd] plus attention over that
+        # (bench/RESULTS.md, Engine section).
+        self._contiguous = mx.default_device() == mx.cpu
 
     @property
     def offsets(self) -> mx.array:
@@ -216,6 +220,8 @@ class PagedKVCache:
         # [B, nblk, bs, kvh, hd] -> [B, kvh, nblk*bs, hd]
         k_all = p.k[layer][self._tables].reshape(b, -1, h, d).transpose(0, 2, 1, 3)
         v_all = p.v[layer][self._tables].reshape(b, -1, h, d).transpose(0, 2, 1, 3)
+        if self._contiguous and p.dtype == keys.dtype:  # (a cast below copies anyway)
+            k_all, v_all = mx.contiguous(k_all), mx.contiguous(v_all)
         return _as(k_all, keys.dtype), _as(v_all, values.dtype), self._mask
 
 
