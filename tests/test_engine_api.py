@@ -9,7 +9,7 @@ import pytest
 
 import mlx_cairn
 from mlx_cairn.engine import Engine, paged
-from mlx_cairn.engine.testing import assert_at_rest, greedy_reference
+from mlx_cairn.engine.testing import assert_at_rest, closing_at_rest, greedy_reference
 from mlx_cairn.errors import ContextLengthExceeded, EngineError, InvalidRequest
 from mlx_cairn.models.testing import tiny_model
 from mlx_cairn.types import ChatRequest, Done, Error, Message, SamplingParams, TextDelta
@@ -24,12 +24,8 @@ def lm():
 
 @pytest.fixture
 def engine(lm):
-    e = Engine(lm, num_blocks=128, block_size=8)
-    yield e
-    try:
-        assert_at_rest(e)
-    finally:
-        e.close()
+    with closing_at_rest(Engine(lm, num_blocks=128, block_size=8)) as e:
+        yield e
 
 
 def req(text: str = "Hello world", max_tokens: int = 16, **kw) -> ChatRequest:

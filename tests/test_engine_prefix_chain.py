@@ -9,7 +9,7 @@ import pytest
 from mlx_cairn.engine import Engine
 from mlx_cairn.engine.scheduler import Scheduler
 from mlx_cairn.engine.sequence import PreparedRequest, Sequence
-from mlx_cairn.engine.testing import assert_at_rest, greedy_reference
+from mlx_cairn.engine.testing import closing_at_rest, greedy_reference
 from mlx_cairn.kv import BlockPool, PrefixCache
 from mlx_cairn.models.testing import tiny_model
 from mlx_cairn.types import ChatRequest, Done, Message, SamplingParams
@@ -121,12 +121,8 @@ def lm():
 
 @pytest.fixture
 def engine(lm):
-    e = Engine(lm, num_blocks=256, block_size=4)
-    yield e
-    try:
-        assert_at_rest(e)
-    finally:
-        e.close()
+    with closing_at_rest(Engine(lm, num_blocks=256, block_size=4)) as e:
+        yield e
 
 
 def greedy(text: str, max_tokens: int) -> ChatRequest:

@@ -7,7 +7,7 @@ import json
 import pytest
 
 from mlx_cairn.engine import Engine
-from mlx_cairn.engine.testing import assert_at_rest
+from mlx_cairn.engine.testing import closing_at_rest
 from mlx_cairn.types import (
     ChatRequest,
     Done,
@@ -26,12 +26,8 @@ WEATHER = Tool("get_weather", "Weather of a city", {"type": "object", "propertie
 
 @pytest.fixture(scope="module")
 def engine():
-    e = Engine(scripted_model(), num_blocks=512, block_size=8)
-    yield e
-    try:
-        assert_at_rest(e)
-    finally:
-        e.close()
+    with closing_at_rest(Engine(scripted_model(), num_blocks=512, block_size=8)) as e:
+        yield e
 
 
 def run(engine: Engine, text: str, **kw) -> tuple[list, Done]:

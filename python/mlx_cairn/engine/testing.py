@@ -10,6 +10,8 @@ Example::
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 from mlx_cairn.engine.reference import generate_ids
@@ -59,3 +61,13 @@ def assert_at_rest(engine: Any, timeout: float = 30.0) -> dict[str, Any]:
     assert pool.num_free_blocks == pool.num_blocks - 1, (pool.num_free_blocks, pool.num_blocks)
     assert st["blocks_in_use"] == 0, st
     return st
+
+
+@contextmanager
+def closing_at_rest(engine: Any) -> Iterator[Any]:
+    """Yield ``engine``; on a clean exit check it is at rest, then always close it."""
+    try:
+        yield engine
+        assert_at_rest(engine)
+    finally:
+        engine.close()
