@@ -30,7 +30,7 @@ from typing import Any
 
 import orjson
 
-from mlx_cairn.protocol.base import WireEvent
+from mlx_cairn.protocol.base import WireEvent, tool_call_as_text
 from mlx_cairn.protocol.sse import frame
 from mlx_cairn.types import Done, Error, Event, ReasoningDelta, TextDelta, ToolCall
 
@@ -135,7 +135,7 @@ class AnthropicCodec:
         elif isinstance(ev, ToolCall) and not (self.allow_tools and _json_object(ev.arguments)):
             # No tools were offered (or the arguments are not a JSON object):
             # what the model wrote comes back as text, nothing is lost.
-            self._text(_tool_call_text(ev), out)
+            self._text(tool_call_as_text(ev), out)
         elif isinstance(ev, ToolCall):
             self._pending_ws = ""
             self._close(out)
@@ -229,14 +229,6 @@ def _json_object(text: str) -> bool:
     except (orjson.JSONDecodeError, TypeError):
         return False
     return isinstance(value, dict)
-
-
-def _tool_call_text(ev: ToolCall) -> str:
-    """A tool call the response may not carry as tool_use, as the text the model meant."""
-    try:
-        return orjson.dumps({"name": ev.name, "arguments": orjson.loads(ev.arguments)}).decode()
-    except (orjson.JSONDecodeError, TypeError):  # not JSON, or nested beyond orjson's limit
-        return orjson.dumps({"name": ev.name, "arguments": ev.arguments}).decode()
 
 
 def fold_events(wire: list[WireEvent]) -> dict[str, Any]:

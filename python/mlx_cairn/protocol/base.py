@@ -27,7 +27,7 @@ import orjson
 
 from mlx_cairn.errors import InvalidRequest
 from mlx_cairn.protocol.sse import frame
-from mlx_cairn.types import Event
+from mlx_cairn.types import Event, ToolCall
 
 #: One frame of a dialect's stream: (SSE event name or None, JSON payload or raw str).
 WireEvent = tuple[str | None, Any]
@@ -56,6 +56,14 @@ class Codec(Protocol):
 def encode(we: WireEvent) -> bytes:
     """SSE bytes of one wire event."""
     return frame(we[0], we[1])
+
+
+def tool_call_as_text(ev: ToolCall) -> str:
+    """A tool call the response may not carry as a tool call, as the text the model meant."""
+    try:
+        return orjson.dumps({"name": ev.name, "arguments": orjson.loads(ev.arguments)}).decode()
+    except (orjson.JSONDecodeError, TypeError):  # not JSON, or nested beyond orjson's limit
+        return orjson.dumps({"name": ev.name, "arguments": ev.arguments}).decode()
 
 
 def json_bytes(obj: Any) -> bytes:

@@ -7,8 +7,8 @@
   :class:`~mlx_cairn.types.ChatRequest`;
 - :class:`TextGate`: holds whitespace that only precedes a tool call (the
   same rule as the Anthropic encoder, so a tool-only answer has no text);
-- :func:`tool_call_as_text`: a tool call the request did not allow comes back
-  as text, nothing is lost.
+- a tool call the request did not allow comes back as text, nothing is lost
+  (:func:`~mlx_cairn.protocol.base.tool_call_as_text`).
 
 Error types by status (``code`` refines a few)::
 
@@ -38,7 +38,7 @@ from mlx_cairn.protocol.base import (
     is_num,
     short,
 )
-from mlx_cairn.types import ChatRequest, Message, SamplingParams, Tool, ToolCall
+from mlx_cairn.types import ChatRequest, Message, SamplingParams, Tool
 
 _ALNUM = string.ascii_letters + string.digits
 
@@ -325,14 +325,6 @@ def json_object(text: str) -> bool:
         return isinstance(orjson.loads(text), dict)
     except orjson.JSONDecodeError:
         return False
-
-
-def tool_call_as_text(ev: ToolCall) -> str:
-    """A tool call the request did not allow, as the text the model meant."""
-    try:
-        return orjson.dumps({"name": ev.name, "arguments": orjson.loads(ev.arguments)}).decode()
-    except (orjson.JSONDecodeError, TypeError):  # not JSON, or nested beyond orjson's limit
-        return orjson.dumps({"name": ev.name, "arguments": ev.arguments}).decode()
 
 
 class TextGate:
