@@ -42,8 +42,8 @@ from mlx_cairn.api.dialects import Dialect, error_response
 from mlx_cairn.api.metrics import observe_event
 from mlx_cairn.api.registry import ServedModel
 from mlx_cairn.errors import ContextLengthExceeded
-from mlx_cairn.protocol.base import Codec, WireEvent, encode, json_bytes
-from mlx_cairn.protocol.sse import comment
+from mlx_cairn.protocol.base import Codec, WireEvent, encode
+from mlx_cairn.protocol.sse import comment, json_bytes
 from mlx_cairn.types import ChatRequest, Done, Error, Event
 
 log = logging.getLogger("mlx_cairn.api")

@@ -12,7 +12,7 @@ from starlette.responses import Response
 from mlx_cairn.api.dialects import DialectSet
 from mlx_cairn.api.registry import ModelRegistry
 from mlx_cairn.errors import InvalidRequest
-from mlx_cairn.protocol.base import json_bytes
+from mlx_cairn.protocol.sse import json_bytes
 
 #: Default request-body limit (Claude Code sends long conversations).
 DEFAULT_MAX_BODY_BYTES = 32 * 1024 * 1024

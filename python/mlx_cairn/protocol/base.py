@@ -19,7 +19,6 @@ does the rest (pings, disconnects, headers, errors).
 
 from __future__ import annotations
 
-import json
 import math
 from typing import Any, Protocol
 
@@ -64,14 +63,6 @@ def tool_call_as_text(ev: ToolCall) -> str:
         return orjson.dumps({"name": ev.name, "arguments": orjson.loads(ev.arguments)}).decode()
     except (orjson.JSONDecodeError, TypeError):  # not JSON, or nested beyond orjson's limit
         return orjson.dumps({"name": ev.name, "arguments": ev.arguments}).decode()
-
-
-def json_bytes(obj: Any) -> bytes:
-    """Compact JSON; falls back to the stdlib encoder past orjson's nesting limit (254)."""
-    try:
-        return orjson.dumps(obj)
-    except TypeError:
-        return json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode()
 
 
 # ------------------------------------------ request validation (every dialect)

@@ -3,6 +3,7 @@
 ``frame(event, payload)`` and ``comment(text)`` return the bytes of one SSE
 frame: an ``event:`` line when a name is given, one ``data:`` line per line of
 the payload, a blank line at the end (:mod:`mlx_cairn.sse`).
+``json_bytes(obj)`` is the compact JSON both frames and JSON bodies use.
 """
 
 from __future__ import annotations
@@ -17,14 +18,15 @@ from mlx_cairn.sse import encode_comment, encode_event
 
 def frame(event: str | None, payload: Any) -> bytes:
     """One SSE frame; ``payload`` is JSON-encoded unless it is already a str."""
-    if isinstance(payload, str):
-        data: str | bytes = payload
-    else:
-        try:
-            data = orjson.dumps(payload)
-        except TypeError:  # nested past orjson's limit: the stdlib encoder goes deeper
-            data = json.dumps(payload, ensure_ascii=False, separators=(",", ":"))
-    return encode_event(event, data)
+    return encode_event(event, payload if isinstance(payload, str) else json_bytes(payload))
+
+
+def json_bytes(obj: Any) -> bytes:
+    """Compact JSON; falls back to the stdlib encoder past orjson's nesting limit (254)."""
+    try:
+        return orjson.dumps(obj)
+    except TypeError:
+        return json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode()
 
 
 def comment(text: str) -> bytes:
