@@ -172,7 +172,6 @@ class PagedKVCache:
         batch = len(block_tables)
         lens = np.full(batch, lengths) if isinstance(lengths, int) else np.asarray(lengths)
         length = int(lens.max())
-        self.length = length
         offs = np.asarray(offsets, dtype=np.int64)
         ctx = offs + lens  # tokens each row attends to
         nblk = int(((offs + length + bs - 1) // bs).max())

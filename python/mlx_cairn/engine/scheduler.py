@@ -42,10 +42,6 @@ class StepPlan:
     def sequences(self) -> list[Sequence]:
         return [*self.decode, *(s for s, _ in self.prefill)]
 
-    @property
-    def num_tokens(self) -> int:
-        return len(self.decode) + sum(n for _, n in self.prefill)
-
     def __bool__(self) -> bool:
         return bool(self.decode or self.prefill)
 
