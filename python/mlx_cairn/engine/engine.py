@@ -362,10 +362,7 @@ class Engine:
             for seq in list(self._seqs.values()):
                 self._end(seq, Error("internal", "the KV cache was reset"))
             p = self._pools
-            shape = (p.num_blocks, p.block_size, p.num_kv_heads, p.head_dim)
-            p.k = [mx.zeros(shape, dtype=p.dtype) for _ in p.k]
-            p.v = [mx.zeros(shape, dtype=p.dtype) for _ in p.v]
-            mx.eval(p.arrays())
+            p.reset()
             self._pool = BlockPool(num_blocks=p.num_blocks, block_size=p.block_size)
             self._cache = PrefixCache(self._pool)
             self._scheduler.pool, self._scheduler.cache = self._pool, self._cache

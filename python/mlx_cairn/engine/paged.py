@@ -122,9 +122,13 @@ class KVPools:
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.dtype = dtype
-        shape = (num_blocks, block_size, num_kv_heads, head_dim)
-        self.k = [mx.zeros(shape, dtype=dtype) for _ in range(num_layers)]
-        self.v = [mx.zeros(shape, dtype=dtype) for _ in range(num_layers)]
+        self.reset()
+
+    def reset(self) -> None:
+        """Fresh zeroed pools (pending writes to the old ones are dropped)."""
+        shape = (self.num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
+        self.k = [mx.zeros(shape, dtype=self.dtype) for _ in range(self.num_layers)]
+        self.v = [mx.zeros(shape, dtype=self.dtype) for _ in range(self.num_layers)]
         mx.eval(self.k, self.v)  # commit the memory now, not at the first step
 
     @staticmethod
