@@ -38,7 +38,6 @@ def _seq(rid: int, prompt: list[int], max_tokens: int) -> Sequence:
         prepared=prepared,
         stream=None,  # type: ignore[arg-type]
         tokens=list(prompt),
-        sampling=prepared.sampling,
         arrival=rid,
     )
 

@@ -182,7 +182,6 @@ class Engine:
                 prepared=prepared,
                 stream=stream,
                 tokens=list(prepared.prompt_ids),
-                sampling=prepared.sampling,
                 arrival=rid,
             )
             self._queued += 1

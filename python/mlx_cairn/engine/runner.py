@@ -89,7 +89,7 @@ class ModelRunner:
             samplers = []
             for seq in rows:
                 if seq.sampler is None:
-                    seq.sampler = RowSampler(seq.sampling)
+                    seq.sampler = RowSampler(seq.prepared.sampling)
                 # A row's random stream is keyed by (seed, output index) only.
                 seq.sampler.step = seq.num_tokens - seq.num_prompt
                 samplers.append(seq.sampler)

@@ -61,7 +61,6 @@ class Sequence:
     prepared: PreparedRequest
     stream: RequestStream
     tokens: list[int]
-    sampling: SamplingParams
     #: Order of first arrival; preemption picks the largest.
     arrival: int
     num_computed: int = 0
