@@ -110,11 +110,17 @@ def sample(logits: mx.array, rows: Sequence[RowSampler]) -> mx.array:
     if logits.ndim != 2 or logits.shape[0] != len(rows):
         raise ValueError(f"logits {logits.shape} do not match {len(rows)} rows")
     ps = [r.params for r in rows]
+    uniform = np.ones(len(rows), dtype=np.float64)
+    for i, r in enumerate(rows):
+        if r.greedy:  # the draw would go unused: skip building its generator
+            r.step += 1
+        else:
+            uniform[i] = r.next_uniform()
     return sample_tokens(
         logits,
         temperature=np.array([p.temperature for p in ps], dtype=np.float32),
         top_k=np.array([p.top_k for p in ps], dtype=np.int32),
         top_p=np.array([p.top_p for p in ps], dtype=np.float32),
         min_p=np.array([p.min_p for p in ps], dtype=np.float32),
-        uniform=np.array([r.next_uniform() for r in rows], dtype=np.float64),
+        uniform=uniform,
     )
