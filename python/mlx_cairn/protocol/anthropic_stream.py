@@ -24,17 +24,13 @@ from __future__ import annotations
 
 import copy
 import json
-import secrets
-import string
 from typing import Any
 
 import orjson
 
-from mlx_cairn.protocol.base import WireEvent, tool_call_as_text
+from mlx_cairn.protocol.base import WireEvent, new_id, timings_body, tool_call_as_text
 from mlx_cairn.protocol.sse import frame
 from mlx_cairn.types import Done, Error, Event, ReasoningDelta, TextDelta, ToolCall
-
-_ALNUM = string.ascii_letters + string.digits
 
 #: Error event kinds (mlx_cairn.errors ``kind``) -> (HTTP status, Anthropic error type).
 ERROR_TYPES: dict[str, tuple[int, str]] = {
@@ -59,11 +55,6 @@ STATUS_TYPES: dict[int, str] = {
     500: "api_error",
     529: "overloaded_error",
 }
-
-
-def new_id(prefix: str, n: int = 24) -> str:
-    """A random id such as ``msg_...`` or ``toolu_...``."""
-    return prefix + "".join(secrets.choice(_ALNUM) for _ in range(n))
 
 
 def error_payload(etype: str, message: str) -> dict[str, Any]:
@@ -198,18 +189,12 @@ class AnthropicCodec:
             self._open = None
 
     def _message_delta(self, done: Done) -> WireEvent:
-        t = done.timings
         usage = {
             "input_tokens": done.usage.input_tokens or self.input_tokens,
             "cache_creation_input_tokens": 0,
             "cache_read_input_tokens": done.usage.cached_tokens,
             "output_tokens": done.usage.output_tokens,
-            "timings": {
-                "queue_ms": round(t.queue_ms, 3),
-                "ttft_ms": round(t.ttft_ms, 3),
-                "prefill_tokens_per_s": round(t.prefill_tokens_per_s, 3),
-                "decode_tokens_per_s": round(t.decode_tokens_per_s, 3),
-            },
+            "timings": timings_body(done.timings),
         }
         delta = {"stop_reason": done.stop_reason, "stop_sequence": done.matched_stop}
         return ("message_delta", {"type": "message_delta", "delta": delta, "usage": usage})

@@ -20,13 +20,15 @@ does the rest (pings, disconnects, headers, errors).
 from __future__ import annotations
 
 import math
+import secrets
+import string
 from typing import Any, Protocol
 
 import orjson
 
 from mlx_cairn.errors import InvalidRequest
 from mlx_cairn.protocol.sse import frame
-from mlx_cairn.types import Event, ToolCall
+from mlx_cairn.types import Event, Timings, ToolCall
 
 #: One frame of a dialect's stream: (SSE event name or None, JSON payload or raw str).
 WireEvent = tuple[str | None, Any]
@@ -55,6 +57,24 @@ class Codec(Protocol):
 def encode(we: WireEvent) -> bytes:
     """SSE bytes of one wire event."""
     return frame(we[0], we[1])
+
+
+_ALNUM = string.ascii_letters + string.digits
+
+
+def new_id(prefix: str, n: int = 24) -> str:
+    """A random id such as ``msg_...``, ``toolu_...``, ``chatcmpl-...`` or ``call_...``."""
+    return prefix + "".join(secrets.choice(_ALNUM) for _ in range(n))
+
+
+def timings_body(t: Timings) -> dict[str, float]:
+    """Timing figures, documented extra fields in ``usage.timings``."""
+    return {
+        "queue_ms": round(t.queue_ms, 3),
+        "ttft_ms": round(t.ttft_ms, 3),
+        "prefill_tokens_per_s": round(t.prefill_tokens_per_s, 3),
+        "decode_tokens_per_s": round(t.decode_tokens_per_s, 3),
+    }
 
 
 def tool_call_as_text(ev: ToolCall) -> str:

@@ -41,7 +41,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from mlx_cairn.errors import InvalidRequest
-from mlx_cairn.protocol.base import WireEvent, required_model, tool_call_as_text
+from mlx_cairn.protocol.base import WireEvent, required_model, timings_body, tool_call_as_text
 from mlx_cairn.protocol.openai_common import (
     CallIds,
     TextGate,
@@ -58,7 +58,6 @@ from mlx_cairn.protocol.openai_common import (
     sampling_params,
     short,
     status_for_kind,
-    timings_body,
     tool_choice,
 )
 from mlx_cairn.protocol.sse import comment

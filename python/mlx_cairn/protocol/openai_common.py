@@ -23,8 +23,6 @@ Error types by status (``code`` refines a few)::
 
 from __future__ import annotations
 
-import secrets
-import string
 from typing import Any
 
 import orjson
@@ -36,11 +34,10 @@ from mlx_cairn.protocol.base import (
     fail,
     is_int,
     is_num,
+    new_id,
     short,
 )
 from mlx_cairn.types import ChatRequest, Message, SamplingParams, Tool
-
-_ALNUM = string.ascii_letters + string.digits
 
 _STATUS_TYPES: dict[int, str] = {
     400: "invalid_request_error",
@@ -68,11 +65,6 @@ _KIND_STATUS: dict[str, int] = {
     "overloaded": 429,
     "rate_limit": 429,
 }
-
-
-def new_id(prefix: str, n: int = 24) -> str:
-    """A random id such as ``chatcmpl-...``, ``call_...`` or ``resp_...``."""
-    return prefix + "".join(secrets.choice(_ALNUM) for _ in range(n))
 
 
 class CallIds:
@@ -354,13 +346,3 @@ class TextGate:
         """A tool call or reasoning came next: forget held whitespace, hold again."""
         self.started = False
         self._held = ""
-
-
-def timings_body(t: Any) -> dict[str, float]:
-    """Timing figures, documented extra fields in ``usage.timings``."""
-    return {
-        "queue_ms": round(t.queue_ms, 3),
-        "ttft_ms": round(t.ttft_ms, 3),
-        "prefill_tokens_per_s": round(t.prefill_tokens_per_s, 3),
-        "decode_tokens_per_s": round(t.decode_tokens_per_s, 3),
-    }

@@ -32,7 +32,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from mlx_cairn.protocol.base import WireEvent, tool_call_as_text
+from mlx_cairn.protocol.base import WireEvent, timings_body, tool_call_as_text
 from mlx_cairn.protocol.openai_common import (
     CallIds,
     TextGate,
@@ -40,7 +40,6 @@ from mlx_cairn.protocol.openai_common import (
     json_object,
     new_id,
     status_for_kind,
-    timings_body,
 )
 from mlx_cairn.protocol.sse import comment
 from mlx_cairn.types import Done, Error, Event, ReasoningDelta, TextDelta, ToolCall
