@@ -105,7 +105,7 @@ class RequestStream:
             with self._lock:
                 if self._events:
                     return self._pop_locked()
-                if self._consumed_last or (self._finished and not self._events):
+                if self._finished:  # and every event was read
                     raise StopAsyncIteration
                 loop = asyncio.get_running_loop()
                 fut: asyncio.Future[None] = loop.create_future()
@@ -131,7 +131,7 @@ class RequestStream:
         """
         with self._cond:
             while not self._events:
-                if self._consumed_last or self._finished:
+                if self._finished:  # and every event was read
                     return None
                 if not self._cond.wait(timeout):
                     raise TimeoutError("no event from the engine in time")
