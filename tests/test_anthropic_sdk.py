@@ -33,8 +33,11 @@ WEATHER = {
 def server() -> Iterator[tuple[anthropic.Anthropic, Engine]]:
     engine = Engine(scripted_model(), num_blocks=1024)
     try:
-        with serve(registry_for({"scripted": engine})) as srv:
-            yield anthropic.Anthropic(base_url=srv.url, api_key="unused", max_retries=0), engine
+        with (
+            serve(registry_for({"scripted": engine})) as srv,
+            anthropic.Anthropic(base_url=srv.url, api_key="unused", max_retries=0) as client,
+        ):
+            yield client, engine
     finally:
         engine.close()
 
@@ -237,8 +240,10 @@ def test_default_model_free_text() -> None:
 
     engine = Engine(load(None), kv_cache_gb=0.25)
     try:
-        with serve(registry_for({"SmolLM2-135M-Instruct": engine})) as srv:
-            client = anthropic.Anthropic(base_url=srv.url, api_key="unused", max_retries=0)
+        with (
+            serve(registry_for({"SmolLM2-135M-Instruct": engine})) as srv,
+            anthropic.Anthropic(base_url=srv.url, api_key="unused", max_retries=0) as client,
+        ):
             kw = {
                 "model": "SmolLM2-135M-Instruct",
                 "max_tokens": 12,

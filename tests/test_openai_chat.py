@@ -318,10 +318,12 @@ def test_default_model_free_text(default_model: Any) -> None:
 
     eng = Engine(default_model, num_blocks=160, max_queue=4)
     try:
-        with serve(registry_for({"smol": eng})) as srv:
-            c = openai.OpenAI(
+        with (
+            serve(registry_for({"smol": eng})) as srv,
+            openai.OpenAI(
                 base_url=srv.url + "/v1", api_key="unused", max_retries=0, timeout=120
-            )
+            ) as c,
+        ):
             for prompt in ("What is the capital of France?", "Write one word about the sea."):
                 streamed, plain = both(
                     c, model="smol", temperature=0, max_completion_tokens=12, messages=user(prompt)
@@ -338,7 +340,6 @@ def test_default_model_free_text(default_model: Any) -> None:
                 input="Name a colour.", extra_body={"cache_salt": "b"}, **kw
             )
             assert normalize(final[-1].response) == normalize(plain_r) and plain_r.output_text
-            c.close()
         assert_at_rest(eng)
     finally:
         eng.close()

@@ -128,8 +128,10 @@ def test_sdk_error_classes(env: dict[str, Any]) -> None:
     with pytest.raises(openai.NotFoundError) as nf:
         c.chat.completions.create(model="nope", messages=user("x"))
     assert nf.value.body["type"] == "not_found_error"  # type: ignore[index]
-    wrong = openai.OpenAI(base_url=env["url"] + "/v1", api_key="wrong", max_retries=0)
-    with pytest.raises(openai.AuthenticationError) as au:
+    with (
+        openai.OpenAI(base_url=env["url"] + "/v1", api_key="wrong", max_retries=0) as wrong,
+        pytest.raises(openai.AuthenticationError) as au,
+    ):
         wrong.chat.completions.create(model="scripted", messages=user("x"))
     assert au.value.body["code"] == "invalid_api_key"  # type: ignore[index]
     with pytest.raises(openai.InternalServerError) as ise:

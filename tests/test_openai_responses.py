@@ -362,8 +362,10 @@ def test_other_error_statuses(env: dict[str, Any]) -> None:
     with pytest.raises(openai.BadRequestError) as ctx:
         c.responses.create(model="scripted", input="word " * 1500, max_output_tokens=7000)
     assert ctx.value.body["code"] == "context_length_exceeded"  # type: ignore[index]
-    bad = openai.OpenAI(base_url=env["url"] + "/v1", api_key="wrong", max_retries=0)
-    with pytest.raises(openai.AuthenticationError):
+    with (
+        openai.OpenAI(base_url=env["url"] + "/v1", api_key="wrong", max_retries=0) as bad,
+        pytest.raises(openai.AuthenticationError),
+    ):
         bad.responses.create(model="scripted", input="x")
     r = post(env, {"model": "scripted", "input": "x" * 70_000})
     assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
