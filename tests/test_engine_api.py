@@ -75,6 +75,18 @@ def test_count_tokens_equals_usage_input_tokens(engine):
     assert isinstance(done, Done) and done.usage.input_tokens == n
 
 
+def test_clamp_max_tokens_gives_the_room_left(engine):
+    n = engine.count_tokens(req())
+    room = min(engine.context_length, (engine._pools.num_blocks - 1) * engine.block_size) - n
+    with pytest.raises(ContextLengthExceeded) as exc:
+        engine.prepare(req(max_tokens=room + 1))
+    assert exc.value.room == room
+    assert engine.prepare(req(max_tokens=room + 1), clamp_max_tokens=True).max_tokens == room
+    assert engine.prepare(req(max_tokens=5), clamp_max_tokens=True).max_tokens == 5
+    with pytest.raises(ContextLengthExceeded):  # the prompt alone leaves no room: no clamping
+        engine.prepare(req("word " * (room + n)), clamp_max_tokens=True)
+
+
 def test_count_tokens_ignores_max_tokens_and_capacity(engine, lm):
     n = engine.count_tokens(req("count me please"))
     # max_tokens past the context, or not a valid max_tokens at all: still counted.

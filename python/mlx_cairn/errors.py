@@ -33,7 +33,14 @@ class InvalidRequest(CairnError):
 
 
 class ContextLengthExceeded(InvalidRequest):
+    """Prompt + max_tokens do not fit; ``room`` is how many new tokens would
+    (the context or the KV pool, whichever is smaller, less the prompt)."""
+
     kind = "context_length"
+
+    def __init__(self, message: str, *, param: str | None = None, room: int | None = None):
+        super().__init__(message, param=param)
+        self.room = room
 
 
 class ModelNotFound(CairnError):

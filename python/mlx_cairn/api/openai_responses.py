@@ -30,8 +30,7 @@ from fastapi import APIRouter, Request
 from starlette.responses import Response
 
 from mlx_cairn.api.dialects import Dialect
-from mlx_cairn.api.openai_chat import start_open_ended
-from mlx_cairn.api.runner import GenerationResponse
+from mlx_cairn.api.runner import GenerationResponse, start_generation
 from mlx_cairn.api.state import app_state, json_response, read_json
 from mlx_cairn.protocol.openai_common import error_body, models_body, status_for_kind
 from mlx_cairn.protocol.openai_responses import (
@@ -145,9 +144,9 @@ async def create_response(request: Request) -> Response:
         lookup=lambda rid: store.get(rid, "previous_response_id").messages,
     )
     sm = await state.registry.get(req.model)
-    gen = await start_open_ended(
-        sm, req.chat, open_ended=req.open_ended, clamp=state.config.clamp_max_tokens
-    )
+    # Without max_output_tokens the answer may use all the room left.
+    clamp = state.config.clamp_max_tokens or req.open_ended
+    gen = await start_generation(sm, req.chat, clamp_max_tokens=clamp)
     history = req.history
 
     def keep(body: dict[str, Any]) -> None:

@@ -72,22 +72,17 @@ async def start_generation(
     """
     engine = sm.engine
     try:
-        prepared = await asyncio.to_thread(engine.prepare, chat)
+        prepared = await asyncio.to_thread(engine.prepare, chat, clamp_max_tokens=clamp_max_tokens)
     except ContextLengthExceeded as e:
-        context = getattr(sm.loaded, "context_length", None)
-        if not context:
+        if clamp_max_tokens or e.room is None or e.room < 1:
             raise
-        room = int(context) - await asyncio.to_thread(count_prompt_tokens, sm, chat)
-        if room < 1 or room >= chat.max_tokens:
-            raise
-        if not clamp_max_tokens:
-            raise ContextLengthExceeded(
-                f"{e.message}; lower max_tokens to at most {room}, or start the server "
-                "with --clamp-max-tokens to generate up to the context instead",
-                param=e.param,
-            ) from None
-        chat.max_tokens = room
-        prepared = await asyncio.to_thread(engine.prepare, chat)
+        raise ContextLengthExceeded(
+            f"{e.message}; lower max_tokens to at most {e.room}, or start the server "
+            "with --clamp-max-tokens to generate up to the context instead",
+            param=e.param,
+            room=e.room,
+        ) from None
+    chat.max_tokens = prepared.max_tokens  # the codecs echo the cap that was used
     stream = engine.submit(prepared)  # QueueFull at once when the queue is full
     return Generation(stream, int(prepared.num_prompt_tokens), sm)
 

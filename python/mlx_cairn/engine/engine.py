@@ -149,13 +149,18 @@ class Engine:
 
     # ------------------------------------------------------------ any thread
 
-    def prepare(self, request: ChatRequest) -> PreparedRequest:
-        """Template + tokenize + validate (raises ContextLengthExceeded / InvalidRequest)."""
+    def prepare(self, request: ChatRequest, *, clamp_max_tokens: bool = False) -> PreparedRequest:
+        """Template + tokenize + validate (raises ContextLengthExceeded / InvalidRequest).
+
+        ``clamp_max_tokens``: lower ``max_tokens`` to the room the prompt leaves
+        (context or KV pool) instead of raising when the prompt itself fits.
+        """
         return _prep.prepare(
             self.loaded,
             request,
             context_length=self.context_length,
             max_tokens_capacity=(self._pools.num_blocks - 1) * self.block_size,
+            clamp_max_tokens=clamp_max_tokens,
         )
 
     def count_tokens(self, request: ChatRequest) -> int:

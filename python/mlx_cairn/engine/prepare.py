@@ -54,9 +54,18 @@ def render(loaded: Any, request: ChatRequest) -> Any:
 
 
 def prepare(
-    loaded: Any, request: ChatRequest, *, context_length: int, max_tokens_capacity: int
+    loaded: Any,
+    request: ChatRequest,
+    *,
+    context_length: int,
+    max_tokens_capacity: int,
+    clamp_max_tokens: bool = False,
 ) -> PreparedRequest:
-    """Validate ``request``, render its prompt, and check it fits the context and the KV pool."""
+    """Validate ``request``, render its prompt, and check it fits the context and the KV pool.
+
+    With ``clamp_max_tokens`` a prompt that fits but leaves less room than
+    ``max_tokens`` gets the room that is left instead of an error.
+    """
     if not request.messages:
         raise InvalidRequest("messages must not be empty", param="messages")
     mt = request.max_tokens
@@ -77,17 +86,22 @@ def prepare(
     n = len(prompt.ids)
     if n == 0:
         raise InvalidRequest("the rendered prompt is empty", param="messages")
+    room = min(context_length, max_tokens_capacity) - n
+    if clamp_max_tokens and 1 <= room < mt:
+        mt = room
     if n + mt > context_length:
         raise ContextLengthExceeded(
             f"prompt ({n} tokens) + max_tokens ({mt}) exceeds the model's context length "
             f"({context_length} tokens)",
             param="max_tokens",
+            room=room,
         )
     if n + mt > max_tokens_capacity:
         raise ContextLengthExceeded(
             f"prompt ({n} tokens) + max_tokens ({mt}) exceeds the KV cache capacity "
             f"({max_tokens_capacity} tokens); start the server with a larger KV cache",
             param="max_tokens",
+            room=room,
         )
     info = loaded.reasoning
     reasoning = bool(info.supported and (request.reasoning is not False))
