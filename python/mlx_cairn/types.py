@@ -19,6 +19,11 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 Role = Literal["system", "user", "assistant", "tool"]
+
+#: Stop sequences per request, and characters per stop sequence. The engine
+#: enforces them; every dialect checks them first to name its own field.
+MAX_STOP_SEQUENCES = 64
+MAX_STOP_SEQUENCE_CHARS = 1024
 StopReason = Literal["end_turn", "max_tokens", "stop_sequence", "tool_use"]
 
 

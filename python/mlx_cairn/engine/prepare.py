@@ -9,10 +9,12 @@ from typing import Any
 
 from mlx_cairn.engine.sequence import PreparedRequest
 from mlx_cairn.errors import ContextLengthExceeded, InvalidRequest
-from mlx_cairn.types import ChatRequest, SamplingParams
-
-_MAX_STOPS = 64
-_MAX_STOP_CHARS = 1024
+from mlx_cairn.types import (
+    MAX_STOP_SEQUENCE_CHARS,
+    MAX_STOP_SEQUENCES,
+    ChatRequest,
+    SamplingParams,
+)
 
 
 def validate_sampling(s: SamplingParams) -> SamplingParams:
@@ -73,12 +75,14 @@ def prepare(
         raise InvalidRequest(
             f"max_tokens must be a positive integer, got {mt!r}", param="max_tokens"
         )
-    if not isinstance(request.stop, list) or len(request.stop) > _MAX_STOPS:
-        raise InvalidRequest(f"stop must be a list of at most {_MAX_STOPS} strings", param="stop")
+    if not isinstance(request.stop, list) or len(request.stop) > MAX_STOP_SEQUENCES:
+        raise InvalidRequest(
+            f"stop must be a list of at most {MAX_STOP_SEQUENCES} strings", param="stop"
+        )
     for s in request.stop:
-        if not isinstance(s, str) or not s or len(s) > _MAX_STOP_CHARS:
+        if not isinstance(s, str) or not s or len(s) > MAX_STOP_SEQUENCE_CHARS:
             raise InvalidRequest(
-                f"each stop sequence must be a non-empty string of at most {_MAX_STOP_CHARS} characters",
+                f"each stop sequence must be a non-empty string of at most {MAX_STOP_SEQUENCE_CHARS} characters",
                 param="stop",
             )
     sampling = validate_sampling(request.sampling)

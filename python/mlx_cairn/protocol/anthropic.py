@@ -29,8 +29,6 @@ import orjson
 
 from mlx_cairn.errors import InvalidRequest
 from mlx_cairn.protocol.base import (
-    MAX_STOP_SEQUENCE_CHARS,
-    MAX_STOP_SEQUENCES,
     MEDIA_PLACEHOLDER,
     fail,
     is_int,
@@ -38,7 +36,15 @@ from mlx_cairn.protocol.base import (
     required_model,
     short,
 )
-from mlx_cairn.types import ChatRequest, Message, SamplingParams, Tool, ToolCall
+from mlx_cairn.types import (
+    MAX_STOP_SEQUENCE_CHARS,
+    MAX_STOP_SEQUENCES,
+    ChatRequest,
+    Message,
+    SamplingParams,
+    Tool,
+    ToolCall,
+)
 
 BILLING_HEADER_PREFIX = "x-anthropic-billing-header:"
 #: Token cap for Claude Code's session-title requests.

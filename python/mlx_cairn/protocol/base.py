@@ -87,9 +87,6 @@ def tool_call_as_text(ev: ToolCall) -> str:
 
 # ------------------------------------------ request validation (every dialect)
 
-#: Stop sequences per request, and characters per stop (the engine's limits).
-MAX_STOP_SEQUENCES = 64
-MAX_STOP_SEQUENCE_CHARS = 1024
 #: What an image, document or audio part becomes: the models served read text only.
 MEDIA_PLACEHOLDER = "[{kind} omitted: this model reads text only]"
 

@@ -28,8 +28,6 @@ from typing import Any
 import orjson
 
 from mlx_cairn.protocol.base import (
-    MAX_STOP_SEQUENCE_CHARS,
-    MAX_STOP_SEQUENCES,
     MEDIA_PLACEHOLDER,
     fail,
     is_int,
@@ -37,7 +35,14 @@ from mlx_cairn.protocol.base import (
     new_id,
     short,
 )
-from mlx_cairn.types import ChatRequest, Message, SamplingParams, Tool
+from mlx_cairn.types import (
+    MAX_STOP_SEQUENCE_CHARS,
+    MAX_STOP_SEQUENCES,
+    ChatRequest,
+    Message,
+    SamplingParams,
+    Tool,
+)
 
 _STATUS_TYPES: dict[int, str] = {
     400: "invalid_request_error",
