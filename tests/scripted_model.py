@@ -73,8 +73,15 @@ class ScriptedNet:
         # logits at its own last real position, not at the last column.
         for row in range(b):
             full = hist[row, : offsets[row] + n].tolist()
+            first = int(offsets[row])
+            # The last <|im_start|> before this chunk, then kept up to date per
+            # position: linear in the chunk, so 64k-token prompts stay fast.
+            start = _last_index(full[: first + 1], self.im_start)
             for j in range(n):
-                out[row, j, 0] = self.next_token(full[: offsets[row] + j + 1])
+                end = first + j + 1
+                if full[end - 1] == self.im_start:
+                    start = end - 1
+                out[row, j, 0] = self._next(full, end, start)
         return mx.array(out)
 
     def logits(self, hidden: mx.array) -> mx.array:
@@ -84,19 +91,20 @@ class ScriptedNet:
 
     def next_token(self, ids: list[int]) -> int:
         """The scripted continuation of ``ids`` (the whole history of one row)."""
-        try:
-            start = len(ids) - 1 - ids[::-1].index(self.im_start)
-        except ValueError:
+        return self._next(ids, len(ids), _last_index(ids, self.im_start))
+
+    def _next(self, ids: list[int], end: int, start: int) -> int:
+        """The continuation of ``ids[:end]`` whose last ``<|im_start|>`` is at ``start``."""
+        if start < 0:
             return self.eos
-        tail = ids[start + 1 :]
         for head in self._heads:
-            if tail[: len(head)] == head:
-                prompt, done = ids[: start + 1 + len(head)], tail[len(head) :]
+            cut = start + 1 + len(head)
+            if cut <= end and ids[start + 1 : cut] == head:
                 break
         else:
             return self.eos
-        script = self._script(prompt)
-        k = len(done)
+        script = self._script(ids[:cut])
+        k = end - cut
         return script[k] if k < len(script) else self.eos
 
     def _script(self, prompt: list[int]) -> list[int]:
@@ -111,6 +119,14 @@ class ScriptedNet:
         with self._lock:
             self._memo[key] = ids
         return ids
+
+
+def _last_index(ids: list[int], token: int) -> int:
+    """Index of the last ``token`` in ``ids``, -1 if none."""
+    for i in range(len(ids) - 1, -1, -1):
+        if ids[i] == token:
+            return i
+    return -1
 
 
 def scripted_model(name: str = "scripted", context_length: int = 8192) -> Any:

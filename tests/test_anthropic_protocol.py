@@ -22,6 +22,7 @@ from mlx_cairn.protocol.anthropic import (
 from mlx_cairn.protocol.anthropic_stream import AnthropicCodec, fold_events
 from mlx_cairn.protocol.base import encode
 from mlx_cairn.types import (
+    Admitted,
     Done,
     Error,
     ReasoningDelta,
@@ -65,7 +66,7 @@ BAD = [
     (base(max_tokens=True), "max_tokens"),
     (base(max_tokens=0), "max_tokens"),
     (base(max_tokens=1001), "max_tokens"),
-    (base(messages=[{"role": "system", "content": "x"}]), "messages[0].role"),
+    (base(messages=[{"role": "tool", "content": "x"}]), "messages[0].role"),
     (base(messages=[{"role": "user"}]), "messages[0].content"),
     (base(messages=[{"role": "user", "content": 5}]), "messages[0].content"),
     (base(messages=[{"role": "user", "content": [{"text": "x"}]}]), "messages[0].content[0].type"),
@@ -289,8 +290,17 @@ DONE = Done("end_turn", usage=Usage(7, 3, 4), timings=Timings(1.0, 2.0, 3.0, 4.0
 
 
 def test_event_order_and_usage() -> None:
+    c = codec()
+    assert c.open() == []  # message_start waits for admission
     wire = run(
-        codec(), [ReasoningDelta("r"), TextDelta("hi"), ToolCall("call_1", "f", '{"a": 1}'), DONE]
+        c,
+        [
+            Admitted(7, 4),
+            ReasoningDelta("r"),
+            TextDelta("hi"),
+            ToolCall("call_1", "f", '{"a": 1}'),
+            DONE,
+        ],
     )
     names = [n for n, _ in wire]
     assert names == [
@@ -302,10 +312,17 @@ def test_event_order_and_usage() -> None:
     ]  # fmt: skip
     indices = [p["index"] for n, p in wire if n.startswith("content_block")]
     assert indices == [0, 0, 0, 1, 1, 1, 2, 2, 2]
+    # Anthropic usage: input_tokens excludes cache reads; the three add up to the prompt.
     start_usage = wire[0][1]["message"]["usage"]
-    assert start_usage["input_tokens"] == 7 and start_usage["output_tokens"] == 0
+    assert start_usage == {
+        "input_tokens": 3,
+        "cache_creation_input_tokens": 0,
+        "cache_read_input_tokens": 4,
+        "output_tokens": 0,
+    }
     delta = wire[-2][1]
-    assert delta["usage"]["input_tokens"] == 7
+    assert delta["usage"]["input_tokens"] == 3
+    assert delta["usage"]["cache_creation_input_tokens"] == 0
     assert delta["usage"]["cache_read_input_tokens"] == 4
     assert delta["usage"]["output_tokens"] == 3
     assert delta["usage"]["timings"] == {

@@ -88,6 +88,9 @@ class ChatRequest:
     tool_choice: str | dict[str, Any] | None = None
     #: Reasoning switch: None = the model's default, else on / off.
     reasoning: bool | None = None
+    #: Most reasoning tokens before the engine closes the reasoning block
+    #: itself (the model's end-of-reasoning tag) so the answer follows; None: no limit.
+    reasoning_budget: int | None = None
     #: Keeps prefix-cache entries of different tenants apart (DESIGN.md §3).
     cache_salt: str | None = None
     #: Extra keyword arguments for the chat template.
@@ -105,6 +108,16 @@ class TextDelta:
 @dataclass(frozen=True, slots=True)
 class ReasoningDelta:
     text: str
+
+
+@dataclass(frozen=True, slots=True)
+class Admitted:
+    """The request left the queue and holds its KV blocks: its prompt size and
+    prefix-cache hit are known. Comes once, before any output."""
+
+    input_tokens: int
+    #: Prompt tokens served from the prefix cache.
+    cached_tokens: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -140,4 +153,4 @@ class Error:
     message: str
 
 
-Event = TextDelta | ReasoningDelta | ToolCall | Done | Error
+Event = Admitted | TextDelta | ReasoningDelta | ToolCall | Done | Error

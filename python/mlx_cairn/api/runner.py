@@ -74,13 +74,11 @@ async def start_generation(
     try:
         prepared = await asyncio.to_thread(engine.prepare, chat, clamp_max_tokens=clamp_max_tokens)
     except ContextLengthExceeded as e:
-        if clamp_max_tokens or e.room is None or e.room < 1:
+        if clamp_max_tokens or e.max_tokens is None:
             raise
-        raise ContextLengthExceeded(
-            f"{e.message}; lower max_tokens to at most {e.room}, or start the server "
-            "with --clamp-max-tokens to generate up to the context instead",
-            param=e.param,
-            room=e.room,
+        raise e.with_hint(
+            f"; lower max_tokens to at most {e.room}, or start the server "
+            "with --clamp-max-tokens to generate up to the context instead"
         ) from None
     chat.max_tokens = prepared.max_tokens  # the codecs echo the cap that was used
     stream = engine.submit(prepared)  # QueueFull at once when the queue is full

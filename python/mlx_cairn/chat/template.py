@@ -217,15 +217,95 @@ class ChatTemplate:
         variables = {
             **self.special,
             **kwargs,
-            "messages": msgs,
             "tools": tool_dicts,
             "add_generation_prompt": add_generation_prompt,
         }
+        inner = _inner_system_texts(msgs)
+        if not inner:
+            return self._render(msgs, variables)
         try:
-            return self._template.render(**variables)
+            text = self._render(msgs, variables)
+        except InvalidRequest:
+            text = None
+        # A template that refuses a system turn after the first message, or
+        # drops it, gets it in place as a marked user turn instead.
+        if text is None or not _contains_in_order(text, inner):
+            text = self._render(_system_turns_as_user(msgs), variables)
+        return text
+
+    def _render(self, msgs: list[dict[str, Any]], variables: dict[str, Any]) -> str:
+        try:
+            return self._template.render(messages=msgs, **variables)
         except TemplateRaise as e:
             raise InvalidRequest(f"chat template: {e}") from None
         except jinja2.TemplateError as e:
             raise InvalidRequest(f"chat template failed: {e}") from None
         except (TypeError, ValueError, KeyError, AttributeError, IndexError) as e:
             raise InvalidRequest(f"chat template failed: {type(e).__name__}: {e}") from None
+
+
+#: How a system turn inside the conversation reads when the template only
+#: accepts a leading system prompt: a user turn (or part of one) marked as
+#: a system instruction.
+INNER_SYSTEM_FORMAT = "<system>\n{text}\n</system>"
+
+
+def _inner_system_texts(msgs: list[dict[str, Any]]) -> list[str]:
+    """Contents of system turns that follow a non-system turn (stripped, as
+    templates often strip them; empty ones left out)."""
+    out: list[str] = []
+    seen_other = False
+    for m in msgs:
+        if m["role"] != "system":
+            seen_other = True
+        elif seen_other and isinstance(m.get("content"), str) and m["content"].strip():
+            out.append(m["content"].strip())
+    return out
+
+
+def _contains_in_order(text: str, parts: list[str]) -> bool:
+    pos = 0
+    for part in parts:
+        pos = text.find(part, pos)
+        if pos < 0:
+            return False
+        pos += len(part)
+    return True
+
+
+def _system_turns_as_user(msgs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Rewrite system turns after the first non-system turn as marked user text.
+
+    The marked text joins the user turn just before it, else the user turn
+    just after it, else it stands as a user turn of its own, so templates
+    that insist on alternating roles accept it. The rewrite depends only on
+    the turns around it, so a conversation renders the same way as it grows
+    (prefix reuse across turns holds).
+    """
+    out: list[dict[str, Any]] = []
+    carry: list[str] = []  # marked texts waiting for the next user turn
+    seen_other = False
+    for i, m in enumerate(msgs):
+        if m["role"] != "system" or not seen_other:
+            seen_other = seen_other or m["role"] != "system"
+            m = dict(m)
+            if carry and m["role"] == "user" and isinstance(m.get("content"), str):
+                m["content"] = "\n\n".join([*carry, m["content"]])
+                carry = []
+            elif carry:
+                out.append({"role": "user", "content": "\n\n".join(carry)})
+                carry = []
+            out.append(m)
+            continue
+        marked = INNER_SYSTEM_FORMAT.format(text=m.get("content") or "")
+        prev = out[-1] if out else None
+        nxt = msgs[i + 1] if i + 1 < len(msgs) else None
+        if prev is not None and prev["role"] == "user" and isinstance(prev.get("content"), str):
+            prev["content"] = f"{prev['content']}\n\n{marked}"
+        elif nxt is not None and nxt["role"] in ("user", "system"):
+            carry.append(marked)
+        else:
+            out.append({"role": "user", "content": marked})
+    if carry:
+        out.append({"role": "user", "content": "\n\n".join(carry)})
+    return out

@@ -34,13 +34,14 @@ import mlx.core as mx
 from mlx_cairn.engine import prepare as _prep
 from mlx_cairn.engine.output import SequenceOutput
 from mlx_cairn.engine.paged import KVPools, pool_blocks
+from mlx_cairn.engine.reasoning import ReasoningBudget
 from mlx_cairn.engine.runner import InFlight, ModelRunner
 from mlx_cairn.engine.scheduler import Scheduler
 from mlx_cairn.engine.sequence import PreparedRequest, Sequence
 from mlx_cairn.engine.stream import RequestStream
 from mlx_cairn.errors import EngineError, QueueFull
 from mlx_cairn.kv import BlockPool, PrefixCache
-from mlx_cairn.types import ChatRequest, Done, Error, Event, StopReason, Timings, Usage
+from mlx_cairn.types import Admitted, ChatRequest, Done, Error, Event, StopReason, Timings, Usage
 
 log = logging.getLogger("mlx_cairn.engine")
 
@@ -306,6 +307,7 @@ class Engine:
                     seq.t_admit = now
                     with self._lock:
                         self._queued -= 1
+                    seq.stream._push([Admitted(seq.num_prompt, max(seq.cached_tokens, 0))])
             try:
                 if self._fault_hook is not None:
                     self._fault_hook()
@@ -342,9 +344,29 @@ class Engine:
             if self._seqs.get(seq.request_id) is not seq:
                 continue  # ended (cancelled, failed, finished) while in flight
             seq.inflight.popleft()
+            if seq.forced is not None:
+                # Sampled after the reasoning budget ran out: replaced by the forced ids.
+                if not seq.inflight:
+                    self._apply_forced(seq, now)
+                continue
             seq.tokens.append(token)
             self._scheduler.register(seq)
             self._on_token(seq, token, now)
+
+    def _apply_forced(self, seq: Sequence, now: float) -> None:
+        """Append the forced ids (the close of reasoning) as if they had been sampled.
+
+        Tokens sampled in their place were never fed to the model (a sequence
+        with forced ids is not scheduled), so nothing is rolled back but the
+        count of computed tokens, which may have run ahead onto them.
+        """
+        forced, seq.forced = seq.forced or [], None
+        seq.num_computed = min(seq.num_computed, len(seq.tokens))
+        for t in forced:
+            seq.tokens.append(t)
+            if not self._on_token(seq, t, now):
+                return
+        self._scheduler.register(seq)
 
     def _drain_inflight(self) -> None:
         """Wait for (and drop) a launched step."""
@@ -352,8 +374,11 @@ class Engine:
         if step is not None:
             with contextlib.suppress(Exception):
                 self._runner.finalize(step)
+            now = time.perf_counter()
             for seq in step.rows:
                 seq.inflight.clear()
+                if seq.forced is not None and self._seqs.get(seq.request_id) is seq:
+                    self._apply_forced(seq, now)  # or it would never be scheduled again
 
     def _recover_pools(self) -> None:
         # Writes of a failed step may still be pending in the pool graphs; they
@@ -371,12 +396,21 @@ class Engine:
             self._cache = PrefixCache(self._pool)
             self._scheduler.pool, self._scheduler.cache = self._pool, self._cache
 
-    def _on_token(self, seq: Sequence, token: int, now: float) -> None:
+    def _on_token(self, seq: Sequence, token: int, now: float) -> bool:
+        """Turn one new token into Events; False once the sequence has ended."""
         self._generated_tokens += 1
         if seq.t_first_token == 0.0:
             seq.t_first_token = now
         if seq.pipeline is None:
             seq.pipeline = SequenceOutput(self.loaded.tokenizer, seq.prepared)
+            p = seq.prepared
+            if p.reasoning_budget is not None:
+                seq.budget = ReasoningBudget(
+                    budget=p.reasoning_budget,
+                    open_ids=p.reasoning_tags[0],
+                    close_ids=p.reasoning_tags[1],
+                    in_reasoning=p.in_reasoning,
+                )
         out: SequenceOutput = seq.pipeline
         reason: StopReason | None = None
         matched: str | None = None
@@ -395,15 +429,22 @@ class Engine:
             log.warning("text pipeline failed: %s", e)
             self._counters["failed"] += 1
             self._end(seq, Error("internal", f"output processing failed: {e}"))
-            return
+            return False
         if reason == "end_turn" and out.saw_tool_call:
             reason = "tool_use"
         if reason is None:
             seq.stream._push(events)
-            return
+            if seq.budget is not None and (force := seq.budget.push(token)) is not None:
+                # Close the reasoning unless max_tokens would cut the tag itself.
+                if seq.num_output + len(force) < seq.prepared.max_tokens:
+                    seq.forced = force
+                if seq.forced is not None and not seq.inflight:
+                    self._apply_forced(seq, now)
+            return seq.request_id in self._seqs
         self._counters["completed"] += 1
         self._end(seq, None)
         seq.stream._push([*events, self._done(seq, reason, matched, now)])
+        return False
 
     def _done(self, seq: Sequence, reason: StopReason, matched: str | None, now: float) -> Done:
         prompt = seq.num_prompt

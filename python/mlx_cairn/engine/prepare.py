@@ -90,25 +90,31 @@ def prepare(
     n = len(prompt.ids)
     if n == 0:
         raise InvalidRequest("the rendered prompt is empty", param="messages")
-    room = min(context_length, max_tokens_capacity) - n
-    if clamp_max_tokens and 1 <= room < mt:
-        mt = room
-    if n + mt > context_length:
-        raise ContextLengthExceeded(
-            f"prompt ({n} tokens) + max_tokens ({mt}) exceeds the model's context length "
-            f"({context_length} tokens)",
-            param="max_tokens",
-            room=room,
-        )
-    if n + mt > max_tokens_capacity:
-        raise ContextLengthExceeded(
-            f"prompt ({n} tokens) + max_tokens ({mt}) exceeds the KV cache capacity "
-            f"({max_tokens_capacity} tokens); start the server with a larger KV cache",
-            param="max_tokens",
-            room=room,
-        )
+    limit = min(context_length, max_tokens_capacity)
+    what = (
+        "the model's context"
+        if limit == context_length
+        else "the KV cache capacity; start the server with a larger KV cache"
+    )
+    if n > limit:
+        raise ContextLengthExceeded(prompt_tokens=n, limit=limit, what=what)
+    if clamp_max_tokens and limit - n < mt:
+        mt = max(limit - n, 1)  # a prompt that fills the context still fails below
+    if n + mt > limit:
+        raise ContextLengthExceeded(prompt_tokens=n, limit=limit, max_tokens=mt, what=what)
     info = loaded.reasoning
     reasoning = bool(info.supported and (request.reasoning is not False))
+    budget = request.reasoning_budget
+    if budget is not None and (
+        not isinstance(budget, int) or isinstance(budget, bool) or budget < 1
+    ):
+        raise InvalidRequest(
+            f"reasoning budget must be a positive integer, got {budget!r}", param="thinking"
+        )
+    tags: tuple[list[int], list[int]] = ([], [])
+    if reasoning and budget is not None:
+        tok = loaded.tokenizer
+        tags = (tok.encode(info.open_tag), tok.encode(info.close_tag))
     tools_on = bool(request.tools) and request.tool_choice != "none"
     return PreparedRequest(
         request=request,
@@ -119,4 +125,6 @@ def prepare(
         salt=f"{loaded.identity}\x00{request.cache_salt or ''}",
         max_tokens=mt,
         sampling=sampling,
+        reasoning_budget=budget if reasoning else None,
+        reasoning_tags=tags,
     )

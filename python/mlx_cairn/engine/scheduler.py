@@ -102,6 +102,7 @@ class Scheduler:
                 seq in self.running
                 and seq.num_pending == 1
                 and seq.wants_more
+                and seq.forced is None
                 and self._grow(seq, 1, plan)
             ):
                 plan.decode.append(seq)

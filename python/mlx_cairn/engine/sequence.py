@@ -47,6 +47,10 @@ class PreparedRequest:
     max_tokens: int
     #: Sampling settings with the seed resolved (a random one when the request has none).
     sampling: SamplingParams
+    #: Reasoning tokens allowed before the engine closes the block (None: no limit).
+    reasoning_budget: int | None = None
+    #: Token ids of the model's reasoning open / close tags (for the budget).
+    reasoning_tags: tuple[list[int], list[int]] = ([], [])
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -79,6 +83,11 @@ class Sequence:
     sampler: Any = None
     #: Text side (mlx_cairn.engine.output.SequenceOutput), created lazily.
     pipeline: Any = None
+    #: Reasoning budget tracker (mlx_cairn.engine.reasoning.ReasoningBudget), or None.
+    budget: Any = None
+    #: Token ids that replace the sampled tokens still in flight (the forced
+    #: end of reasoning); while set, the sequence is not scheduled.
+    forced: list[int] | None = None
     # Timings (perf_counter seconds).
     t_submit: float = field(default_factory=time.perf_counter)
     t_admit: float = 0.0

@@ -101,7 +101,9 @@ def _parse(body: Any, *, max_tokens_limit: int, count_only: bool) -> AnthropicRe
 
     tools = _map_tools(body.get("tools"))
     tool_choice = _map_tool_choice(body.get("tool_choice"))
-    show_thinking = _map_thinking(body.get("thinking"))
+    reasoning, show_thinking, budget = _map_thinking(
+        body.get("thinking"), body.get("output_config")
+    )
     sampling = _map_sampling(body)
     stop = _map_stop(body.get("stop_sequences"))
 
@@ -114,7 +116,7 @@ def _parse(body: Any, *, max_tokens_limit: int, count_only: bool) -> AnthropicRe
     is_title = _is_title_request(body.get("output_config"))
     if is_title:
         max_tokens = min(max_tokens, TITLE_MAX_TOKENS)
-        show_thinking = False
+        reasoning, show_thinking, budget = False, False, None
 
     chat = ChatRequest(
         messages=messages,
@@ -124,7 +126,8 @@ def _parse(body: Any, *, max_tokens_limit: int, count_only: bool) -> AnthropicRe
         stop=stop,
         tools=tools,
         tool_choice=tool_choice if tools else None,
-        reasoning=show_thinking,
+        reasoning=reasoning,
+        reasoning_budget=budget,
     )
     return AnthropicRequest(chat, model, stream, show_thinking, is_title)
 
@@ -135,21 +138,29 @@ def _parse(body: Any, *, max_tokens_limit: int, count_only: bool) -> AnthropicRe
 def _map_system(system: Any) -> str:
     if system is None:
         return ""
+    return _system_text(system, "system", drop_billing=True)
+
+
+def _system_text(system: Any, param: str, *, drop_billing: bool = False) -> str:
+    """A system prompt given as a string or as text blocks, joined with newlines.
+
+    With ``drop_billing`` the first block that starts with Claude Code's
+    billing header is left out (its nonce rotates per request).
+    """
     if isinstance(system, str):
         return system
     if not isinstance(system, list):
-        raise fail("system", "must be a string or a list of text blocks")
+        raise fail(param, "must be a string or a list of text blocks")
     texts: list[str] = []
-    dropped_billing = False
     for i, block in enumerate(system):
-        param = f"system[{i}]"
+        bp = f"{param}[{i}]"
         if not isinstance(block, dict):
-            raise fail(param, "must be an object")
+            raise fail(bp, "must be an object")
         if block.get("type") != "text":
-            raise fail(f"{param}.type", "system blocks must be of type 'text'")
-        text = _text_of(block, param)
-        if not dropped_billing and text.startswith(BILLING_HEADER_PREFIX):
-            dropped_billing = True  # rotating nonce: keep it out of the prompt
+            raise fail(f"{bp}.type", "system blocks must be of type 'text'")
+        text = _text_of(block, bp)
+        if drop_billing and text.startswith(BILLING_HEADER_PREFIX):
+            drop_billing = False  # rotating nonce: keep it out of the prompt
             continue
         texts.append(text)
     return "\n".join(texts)
@@ -171,11 +182,18 @@ def _map_messages(raw: Any) -> list[Message]:
         if not isinstance(m, dict):
             raise fail(param, "must be an object")
         role = m.get("role")
-        if role not in ("user", "assistant"):
-            raise fail(f"{param}.role", f"must be 'user' or 'assistant', got {short(role)}")
+        if role not in ("user", "assistant", "system"):
+            raise fail(
+                f"{param}.role", f"must be 'user', 'assistant' or 'system', got {short(role)}"
+            )
         if "content" not in m:
             raise fail(f"{param}.content", "field required")
         content = m["content"]
+        if role == "system":
+            # Kept at its place: hoisting it would shift every later token and
+            # defeat prefix reuse from one turn to the next.
+            out.append(Message("system", _system_text(content, f"{param}.content")))
+            continue
         if isinstance(content, str):
             out.append(Message(role, content))
             continue
@@ -356,21 +374,48 @@ def _map_tool_choice(raw: Any) -> str | dict[str, Any] | None:
     raise fail("tool_choice.type", "must be one of 'auto', 'any', 'tool', 'none'")
 
 
-def _map_thinking(raw: Any) -> bool:
+#: ``output_config.effort`` under adaptive thinking -> (reasoning on, token budget).
+#: ``low`` answers without reasoning; ``max`` (and ``xhigh``) reason without a limit.
+EFFORT_REASONING: dict[str, tuple[bool, int | None]] = {
+    "low": (False, None),
+    "medium": (True, 2048),
+    "high": (True, 8192),
+    "xhigh": (True, None),
+    "max": (True, None),
+}
+
+
+def _map_thinking(raw: Any, output_config: Any) -> tuple[bool | None, bool, int | None]:
+    """``thinking`` (+ ``output_config.effort``) -> (reasoning switch, show it, budget).
+
+    - absent or ``disabled``: no reasoning (the Anthropic default);
+    - ``enabled``: reasoning, shown as thinking blocks, ``budget_tokens``
+      enforced by the engine (it closes the reasoning block after that many);
+    - ``adaptive``: the effort level picks per :data:`EFFORT_REASONING`;
+      without one (or an unknown one) the model's own default, unlimited.
+      ``display: "omitted"`` keeps the reasoning out of the response.
+    """
+    effort = output_config.get("effort") if isinstance(output_config, dict) else None
+    if effort is not None and not isinstance(effort, str):
+        raise fail("output_config.effort", "must be a string")
     if raw is None:
-        return False
+        return False, False, None
     if not isinstance(raw, dict):
         raise fail("thinking", "must be an object")
     kind = raw.get("type")
     if kind == "disabled":
-        return False
-    if kind == "adaptive":
-        return True
+        return False, False, None
     if kind == "enabled":
         budget = raw.get("budget_tokens")
         if budget is not None and (not is_int(budget) or budget < 1):
             raise fail("thinking.budget_tokens", "must be a positive integer")
-        return True
+        return True, True, budget
+    if kind == "adaptive":
+        display = raw.get("display")
+        if display is not None and not isinstance(display, str):
+            raise fail("thinking.display", "must be a string")
+        on, budget = EFFORT_REASONING.get(effort or "", (None, None))
+        return on, on is not False and display != "omitted", budget
     raise fail("thinking.type", "must be 'enabled', 'disabled' or 'adaptive'")
 
 

@@ -2,7 +2,7 @@
 
 Wire order (DESIGN.md §6)::
 
-    message_start (usage: input_tokens)
+    message_start (usage: input_tokens, cache_read_input_tokens)   on Admitted
       content_block_start / content_block_delta* / content_block_stop   (index 0, 1, ...)
     message_delta (stop_reason, stop_sequence, cumulative usage)
     message_stop
@@ -14,10 +14,14 @@ Rules applied here, so the streamed and the folded response agree:
 - a text block opens at the first non-whitespace character: whitespace that
   only precedes a tool call, a thinking block or the end is not sent;
 - each tool call is one ``tool_use`` block with exactly one ``input_json_delta``;
-- usage in ``message_delta`` is cumulative and repeats ``input_tokens``;
-  ``cache_read_input_tokens`` is the real prefix-hit count; timing figures
-  ride in ``usage.timings`` (queue_ms, ttft_ms, prefill_tokens_per_s,
-  decode_tokens_per_s).
+- ``message_start`` is sent once the request is admitted (the engine's
+  Admitted event), so its usage is real; pings keep the stream alive before;
+- usage as the Anthropic API defines it: ``input_tokens`` is the prompt
+  tokens NOT read from the cache, ``cache_read_input_tokens`` the real
+  prefix-hit count, ``cache_creation_input_tokens`` 0; their sum is the whole
+  prompt (``count_tokens``). ``message_delta`` repeats them (cumulative) and
+  adds ``output_tokens``; timing figures ride in ``usage.timings`` (queue_ms,
+  ttft_ms, prefill_tokens_per_s, decode_tokens_per_s).
 """
 
 from __future__ import annotations
@@ -30,7 +34,7 @@ import orjson
 
 from mlx_cairn.protocol.base import WireEvent, new_id, timings_body, tool_call_as_text
 from mlx_cairn.protocol.sse import frame
-from mlx_cairn.types import Done, Error, Event, ReasoningDelta, TextDelta, ToolCall
+from mlx_cairn.types import Admitted, Done, Error, Event, ReasoningDelta, TextDelta, ToolCall
 
 #: Error event kinds (mlx_cairn.errors ``kind``) -> (HTTP status, Anthropic error type).
 ERROR_TYPES: dict[str, tuple[int, str]] = {
@@ -87,9 +91,14 @@ class AnthropicCodec:
         self._index = -1
         self._open: str | None = None  # type of the open content block
         self._pending_ws = ""  # whitespace held before a text block opens
+        self._started = False  # message_start sent
 
     def open(self) -> list[WireEvent]:
-        """``message_start`` with the prompt's token count."""
+        """Nothing: ``message_start`` waits for the Admitted event (real cache figures)."""
+        return []
+
+    def _message_start(self, input_tokens: int, cached: int) -> WireEvent:
+        self._started = True
         message: dict[str, Any] = {
             "id": self.message_id,
             "type": "message",
@@ -98,14 +107,9 @@ class AnthropicCodec:
             "content": [],
             "stop_reason": None,
             "stop_sequence": None,
-            "usage": {
-                "input_tokens": self.input_tokens,
-                "cache_creation_input_tokens": 0,
-                "cache_read_input_tokens": 0,
-                "output_tokens": 0,
-            },
+            "usage": {**_input_usage(input_tokens, cached), "output_tokens": 0},
         }
-        return [("message_start", {"type": "message_start", "message": message})]
+        return ("message_start", {"type": "message_start", "message": message})
 
     def ping(self) -> bytes:
         """An Anthropic ``ping`` frame."""
@@ -116,6 +120,13 @@ class AnthropicCodec:
     def feed(self, ev: Event) -> list[WireEvent]:
         """Wire events for one engine Event."""
         out: list[WireEvent] = []
+        if isinstance(ev, Admitted):
+            if not self._started:
+                out.append(self._message_start(ev.input_tokens, ev.cached_tokens))
+            return out
+        if not self._started and not isinstance(ev, Error):
+            # A stream without Admitted (a hand-built Event list): open it now.
+            out.append(self._message_start(self.input_tokens, 0))
         if isinstance(ev, TextDelta):
             self._text(ev.text, out)
         elif isinstance(ev, ReasoningDelta):
@@ -190,9 +201,7 @@ class AnthropicCodec:
 
     def _message_delta(self, done: Done) -> WireEvent:
         usage = {
-            "input_tokens": done.usage.input_tokens or self.input_tokens,
-            "cache_creation_input_tokens": 0,
-            "cache_read_input_tokens": done.usage.cached_tokens,
+            **_input_usage(done.usage.input_tokens or self.input_tokens, done.usage.cached_tokens),
             "output_tokens": done.usage.output_tokens,
             "timings": timings_body(done.timings),
         }
@@ -204,6 +213,16 @@ class AnthropicCodec:
     def fold(self, wire: list[WireEvent]) -> dict[str, Any]:
         """The non-streaming Message: :func:`fold_events` over these wire events."""
         return fold_events(wire)
+
+
+def _input_usage(prompt_tokens: int, cached: int) -> dict[str, int]:
+    """The Anthropic split of a prompt: uncached + cache reads (+ creation, 0 here)."""
+    cached = min(max(cached, 0), prompt_tokens)
+    return {
+        "input_tokens": prompt_tokens - cached,
+        "cache_creation_input_tokens": 0,
+        "cache_read_input_tokens": cached,
+    }
 
 
 def _json_object(text: str) -> bool:
