@@ -5,6 +5,19 @@ Adding a dialect: write ``mlx_cairn/api/<name>.py`` exposing ``DIALECT`` (a
 and append its module name to :data:`DIALECT_MODULES`. Its routes are then
 behind the auth gate and the body limit, and every error raised in them
 (:class:`~mlx_cairn.errors.CairnError`) is rendered in its envelope.
+
+Layers, outermost first (a request goes down, its response comes back up)::
+
+    Cors            only with --cors-origin: answers preflights, adds the headers
+    ServerErrorMiddleware   unhandled exception -> 500 envelope
+    RequestCounter  /metrics counts every answer below, 401s and 413s included
+    Gate            auth, then the body limit
+    ExceptionMiddleware     CairnError / HTTPException -> the dialect's envelope
+    routes
+
+CORS sits above everything so that every answer to an allowed origin carries
+its headers (the gate's 401s and the 500s too) and preflights, which carry no
+credentials, never reach the gate.
 """
 
 from __future__ import annotations
@@ -12,16 +25,20 @@ from __future__ import annotations
 import asyncio
 import importlib
 import logging
+from collections.abc import Callable, Collection, MutableMapping
 from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from starlette.datastructures import Headers, MutableHeaders
 from starlette.exceptions import HTTPException
+from starlette.middleware.cors import CORSMiddleware
 from starlette.responses import Response
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from mlx_cairn import __version__
 from mlx_cairn.api.auth import Gate, is_authenticated, token_digest
-from mlx_cairn.api.dialects import DialectSet, error_response, response_for
+from mlx_cairn.api.dialects import Dialect, DialectSet, error_response, log_safe, response_for
 from mlx_cairn.api.metrics import install as install_metrics
 from mlx_cairn.api.openapi import install as install_openapi
 from mlx_cairn.api.registry import ModelRegistry
@@ -39,6 +56,117 @@ DIALECT_MODULES: list[str] = [
 
 _HTTP_KINDS = {404: "not_found", 405: "invalid_request", 413: "too_large"}
 
+#: Methods a browser script may use here (OPTIONS is the preflight itself).
+CORS_METHODS = ("GET", "HEAD", "POST", "DELETE", "OPTIONS")
+#: Request headers a browser may send besides the CORS-safelisted ones (Accept,
+#: Accept-Language, Content-Language, Content-Type: CORSMiddleware always allows
+#: those): what the official anthropic and openai SDKs (Python and TypeScript)
+#: and Claude Code send. tests/test_api_cors.py checks the installed SDKs against it.
+CORS_ALLOW_HEADERS = (
+    "authorization",
+    "x-api-key",
+    "user-agent",
+    "idempotency-key",
+    "anthropic-version",
+    "anthropic-beta",
+    "anthropic-dangerous-direct-browser-access",
+    "openai-organization",
+    "openai-project",
+    "openai-beta",
+    "x-stainless-arch",
+    "x-stainless-async",
+    "x-stainless-custom-event-handler",
+    "x-stainless-custom-poll-interval",
+    "x-stainless-helper",
+    "x-stainless-helper-method",
+    "x-stainless-lang",
+    "x-stainless-os",
+    "x-stainless-package-version",
+    "x-stainless-poll-helper",
+    "x-stainless-raw-response",
+    "x-stainless-read-timeout",
+    "x-stainless-retry-count",
+    "x-stainless-runtime",
+    "x-stainless-runtime-version",
+    "x-stainless-stream-helper",
+    "x-stainless-timeout",
+)
+#: Response headers a browser script may read (the SDKs' retry timing, cache figures).
+CORS_EXPOSE_HEADERS = ("retry-after", "x-session-cache", "x-cached-tokens")
+
+
+class Cors:
+    """Starlette's CORSMiddleware, for requests from an allowed origin only.
+
+    A request with no ``Origin`` or another one passes by untouched (only
+    ``Vary: Origin`` is added when the answer depends on the origin), so it
+    gets no CORS header at all and its ``OPTIONS`` is answered as without the
+    flag (401 behind a token, else 405). A preflight the middleware refuses
+    (a method or header it does not allow) is logged like every other 4xx.
+    """
+
+    def __init__(self, app: ASGIApp, origins: Collection[str]) -> None:
+        self.app = app
+        self.cors = CORSMiddleware(
+            app,
+            allow_origins=origins,
+            allow_methods=CORS_METHODS,
+            allow_headers=CORS_ALLOW_HEADERS,
+            expose_headers=CORS_EXPOSE_HEADERS,
+            # A page on the web calling this server on localhost is the point
+            # of the flag: Chrome's private-network preflight must pass too.
+            allow_private_network=True,
+        )
+        self.vary = "*" not in origins
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        headers = Headers(scope=scope)
+        origin = headers.get("origin")
+        if origin is None or not self.cors.is_allowed_origin(origin):
+            await self.app(scope, receive, self._vary(send) if self.vary else send)
+            return
+        if scope["method"] == "OPTIONS" and "access-control-request-method" in headers:
+            resp = self.cors.preflight_response(request_headers=headers)
+            if resp.status_code >= 400:
+                log.info(
+                    "%d OPTIONS %s: cors: %s (method %s, headers %s)",
+                    resp.status_code,
+                    log_safe(scope["path"]),
+                    bytes(resp.body).decode(),
+                    log_safe(headers["access-control-request-method"], 100),
+                    log_safe(headers.get("access-control-request-headers", ""), 500),
+                )
+            await resp(scope, receive, send)
+            return
+        await self.cors.simple_response(scope, receive, send, request_headers=headers)
+
+    @staticmethod
+    def _vary(send: Send) -> Send:
+        async def wrapped(msg: Message) -> None:
+            if msg["type"] == "http.response.start":
+                msg.setdefault("headers", [])
+                MutableHeaders(scope=msg).add_vary_header("Origin")
+            await send(msg)
+
+        return wrapped
+
+
+class CairnApp(FastAPI):
+    """FastAPI with :class:`Cors` (when origins are set) around the whole stack.
+
+    ``add_middleware`` can only place middleware inside FastAPI's own
+    ServerErrorMiddleware, where the 500s it sends would miss the CORS headers.
+    """
+
+    cors_origins: tuple[str, ...] = ()
+
+    def build_middleware_stack(self) -> ASGIApp:
+        stack = super().build_middleware_stack()
+        return Cors(stack, self.cors_origins) if self.cors_origins else stack
+
 
 def create_app(registry: ModelRegistry, config: ServerConfig | None = None) -> FastAPI:
     """Build the ASGI app serving ``registry``'s models with ``config``."""
@@ -47,12 +175,17 @@ def create_app(registry: ModelRegistry, config: ServerConfig | None = None) -> F
     modules = [importlib.import_module(m) for m in DIALECT_MODULES]
     dialects = DialectSet(m.DIALECT for m in modules)
 
-    app = FastAPI(title="mlx-cairn", version=__version__, docs_url=None, redoc_url=None)
+    app = CairnApp(title="mlx-cairn", version=__version__, docs_url=None, redoc_url=None)
+    app.cors_origins = tuple(config.cors_origins)
     app.state.cairn = AppState(registry, config, dialects)
     for m in modules:
         app.include_router(m.router)
-    app.add_api_route("/health", health, methods=["GET"])
+    for path, probe in (("/", root), ("/health", health)):
+        app.add_api_route(path, probe, methods=["GET"])
+        # HEAD is GET without the body; one route per method keeps OpenAPI ids unique.
+        app.add_api_route(path, probe, methods=["HEAD"], include_in_schema=False)
     app.add_api_route("/v1/models", list_models, methods=["GET"])
+    app.add_api_route("/v1/models/{model_id:path}", get_model, methods=["GET"])
 
     @app.exception_handler(CairnError)
     async def _typed(request: Request, exc: CairnError) -> Response:
@@ -88,6 +221,13 @@ def create_app(registry: ModelRegistry, config: ServerConfig | None = None) -> F
     return app
 
 
+async def root(request: Request) -> Response:
+    """``GET /`` and ``HEAD /`` (Claude Code's start-up probe): liveness, like ``/health``."""
+    if not is_authenticated(request.scope):
+        return json_response({"status": "ok"})
+    return json_response({"status": "ok", "name": "mlx-cairn", "version": __version__})
+
+
 async def health(request: Request) -> Response:
     """Liveness for anyone; models, queue and block-pool figures for authenticated callers."""
     if not is_authenticated(request.scope):
@@ -111,9 +251,25 @@ async def health(request: Request) -> Response:
 async def list_models(request: Request) -> Response:
     """``GET /v1/models`` in the shape of the caller's dialect."""
     state = app_state(request)
-    dialect = state.dialects.for_scope(request.scope)
-    listing = state.registry.listing()
+    return json_response(_models_body(state.dialects, request.scope)(state.registry.listing()))
+
+
+async def get_model(request: Request, model_id: str) -> Response:
+    """``GET /v1/models/{id}``: the same entry as in the listing, in the caller's shape.
+
+    The id resolves as in a generation request (aliases, globs, ``default``,
+    ``--default-model``) without loading anything; an unknown one is a 404.
+    """
+    state = app_state(request)
+    info = state.registry.info(model_id)
+    return json_response(_models_body(state.dialects, request.scope)([info])["data"][0])
+
+
+def _models_body(
+    dialects: DialectSet, scope: MutableMapping[str, Any]
+) -> Callable[..., dict[str, Any]]:
+    dialect: Dialect = dialects.for_scope(scope)
     if dialect.models_body is None:  # pragma: no cover - every dialect defines one
-        dialect = state.dialects.dialects[0]
+        dialect = dialects.default
     assert dialect.models_body is not None
-    return json_response(dialect.models_body(listing))
+    return dialect.models_body

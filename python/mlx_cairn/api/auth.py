@@ -9,8 +9,12 @@ route added later cannot bypass it. Rules (DESIGN.md §6):
 - a repeated ``x-api-key`` or ``Authorization`` header is refused;
 - the comparison is constant time (SHA-256 digests compared with
   :func:`hmac.compare_digest`, so length leaks nothing either);
-- ``GET /health`` with no credential at all answers liveness only; with a
-  wrong one it is a 401 like everything else;
+- ``/health`` and ``/`` (GET or HEAD) with no credential at all answer
+  liveness only; with a wrong one they are a 401 like everything else
+  (Claude Code probes ``HEAD /`` at start-up without its credential);
+- CORS preflights never reach the gate: when ``--cors-origin`` is set, the
+  CORS middleware around the whole app answers them (browsers send no
+  credentials on a preflight) and adds its headers to the gate's 401s;
 - a 401 carries ``WWW-Authenticate: Bearer`` and never says which check failed.
 
 Bodies: a ``Content-Length`` above the limit is refused before any route
@@ -36,7 +40,7 @@ Verdict = Literal["ok", "anonymous", "denied"]
 AUTH_SCOPE_KEY = "cairn.auth"
 UNAUTHORIZED_MESSAGE = "invalid or missing credentials"
 #: Paths that answer anonymous callers (with less detail).
-ANONYMOUS_PATHS = frozenset({"/health"})
+ANONYMOUS_PATHS = frozenset({"/health", "/"})
 #: Bytes of an over-limit body read and discarded so the 413 reaches the client.
 DRAIN_LIMIT = 64 * 1024 * 1024
 

@@ -12,18 +12,33 @@ engine failure) goes through :func:`error_response` with the dialect picked by
    dialect whose ``header_hint`` header is present (Anthropic:
    ``anthropic-version``, which the anthropic SDK and Claude Code always send);
 3. else the dialect marked ``shared_default`` (else the first one listed).
+
+Every 4xx answer is logged once, when it is sent, as one INFO line on the
+``mlx_cairn.api`` logger that says why (path only, never the query string)::
+
+    400 POST /v1/messages: invalid_request_error: messages[1].role: must be ...
 """
 
 from __future__ import annotations
 
+import logging
+import re
 from collections.abc import Callable, Iterable, MutableMapping
 from dataclasses import dataclass
 from typing import Any
 
 import orjson
 from starlette.responses import Response
+from starlette.types import Receive, Scope, Send
 
 from mlx_cairn.errors import CairnError
+
+log = logging.getLogger("mlx_cairn.api")
+
+#: Longest error message written to a log line (the rest is cut with "...").
+LOG_MESSAGE_CHARS = 500
+#: Characters a log viewer may break a line on.
+_CONTROL = re.compile("[\x00-\x1f\x7f-\x9f\u2028\u2029]")
 
 #: (status, kind, message, param) -> JSON error body.
 ErrorBody = Callable[[int, str, str, "str | None"], dict[str, Any]]
@@ -107,6 +122,56 @@ class DialectSet:
         return self.default
 
 
+class ErrorResponse(Response):
+    """An error envelope that logs why it was sent (4xx only, one line, see the module doc).
+
+    The line is written when the response is sent, the one moment that knows
+    both the request (method, path) and the reason, whoever built it: the
+    gate, an exception handler or a generation that failed before its JSON
+    body. 5xx answers are logged where they are raised, with their traceback.
+    """
+
+    def __init__(
+        self,
+        body: dict[str, Any],
+        status: int,
+        *,
+        kind: str,
+        message: str,
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        super().__init__(
+            orjson.dumps(body), status_code=status, headers=headers, media_type="application/json"
+        )
+        err = body.get("error")
+        etype = err.get("type") if isinstance(err, dict) else None
+        self.error_type = etype if isinstance(etype, str) else kind
+        self.message = message
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if 400 <= self.status_code < 500:
+            log.info(
+                "%d %s %s: %s: %s",
+                self.status_code,
+                log_safe(str(scope.get("method", ""))),
+                log_safe(str(scope.get("path", ""))),  # the query string is never logged
+                self.error_type,
+                log_safe(self.message, LOG_MESSAGE_CHARS),
+            )
+        await super().__call__(scope, receive, send)
+
+
+def log_safe(text: str, limit: int | None = None) -> str:
+    """``text`` with control characters escaped (a log line stays one line), cut at ``limit``.
+
+    >>> log_safe("a\\nb")
+    'a\\\\nb'
+    """
+    if limit is not None and len(text) > limit:
+        text = text[:limit] + "..."
+    return _CONTROL.sub(lambda m: m.group().encode("unicode_escape").decode(), text)
+
+
 def error_response(
     dialect: Dialect,
     status: int,
@@ -116,9 +181,9 @@ def error_response(
     param: str | None = None,
     headers: dict[str, str] | None = None,
 ) -> Response:
-    """An error in ``dialect``'s envelope."""
-    body = orjson.dumps(dialect.error_body(status, kind, message, param))
-    return Response(body, status_code=status, headers=headers, media_type="application/json")
+    """An error in ``dialect``'s envelope (an :class:`ErrorResponse`)."""
+    body = dialect.error_body(status, kind, message, param)
+    return ErrorResponse(body, status, kind=kind, message=message, headers=headers)
 
 
 def response_for(dialect: Dialect, err: CairnError) -> Response:

@@ -134,16 +134,18 @@ class ModelRegistry:
 
     def listing(self) -> list[ModelInfo]:
         """One entry per served name and exact alias."""
-        out = [
-            ModelInfo(n, sm.name, sm.created, sm.engine is not None)
-            for sm in self.models
-            for n in sm.names
-        ]
-        out += [
-            ModelInfo(a, sm.name, sm.created, sm.engine is not None)
-            for a, sm in self.aliases.items()
-        ]
+        out = [_info(n, sm) for sm in self.models for n in sm.names]
+        out += [_info(a, sm) for a, sm in self.aliases.items()]
         return out
+
+    def info(self, name: str) -> ModelInfo:
+        """The entry for one requested name, resolved as a generation request would be
+        (aliases, globs, ``default``, the ``claude-*`` fallback) but never loading it.
+
+        A listed name gets its listing entry; a name only a glob or a fallback
+        answers to gets an entry under that name. ModelNotFound if none.
+        """
+        return _info(name, self.resolve(name))
 
     # ----------------------------------------------------------- loading
 
@@ -190,6 +192,10 @@ class ModelRegistry:
                     sm.engine.close()
                 except Exception:  # closing is best effort at shutdown
                     log.exception("closing the engine of %s", sm.name)
+
+
+def _info(name: str, sm: ServedModel) -> ModelInfo:
+    return ModelInfo(name, sm.name, sm.created, sm.engine is not None)
 
 
 def _default_loader(source: str | None) -> Any:

@@ -13,7 +13,12 @@ from pathlib import Path
 from types import FrameType
 
 from mlx_cairn.api.registry import ModelRegistry
-from mlx_cairn.api.state import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_TOKENS_LIMIT, ServerConfig
+from mlx_cairn.api.state import (
+    DEFAULT_MAX_BODY_BYTES,
+    DEFAULT_MAX_TOKENS_LIMIT,
+    ServerConfig,
+    cors_origin,
+)
 
 log = logging.getLogger("mlx_cairn.api")
 
@@ -92,6 +97,7 @@ def build(args: argparse.Namespace, env: dict[str, str]) -> tuple[ModelRegistry,
         max_body_bytes=int(args.max_body_mb * 1024 * 1024),
         max_tokens_limit=args.max_tokens_limit,
         clamp_max_tokens=args.clamp_max_tokens,
+        cors_origins=tuple(dict.fromkeys(args.cors_origin)),
     )
     return registry, config
 
@@ -161,6 +167,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="when prompt + max_tokens exceed the context, generate up to the context "
         "instead of answering 400 (useful for Claude Code, which asks for 32k)",
+    )
+    p.add_argument(
+        "--cors-origin",
+        action="append",
+        default=[],
+        type=cors_origin,
+        metavar="ORIGIN",
+        help="let browser pages from ORIGIN (e.g. http://localhost:5173, or '*' for any) "
+        "call the server: CORS headers and preflight answers (repeatable; default: none)",
     )
     p.add_argument(
         "--shutdown-grace",

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import argparse
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -32,6 +34,27 @@ class ServerConfig:
     clamp_max_tokens: bool = False
     #: Seconds of silence on a stream before a ping frame.
     ping_interval: float = 3.0
+    #: Browser origins allowed to call the server (CORS); ``"*"`` is any origin,
+    #: empty sends no CORS headers at all. Values as :func:`cors_origin` returns them.
+    cors_origins: tuple[str, ...] = ()
+
+
+_ORIGIN = re.compile(r"[a-z][a-z0-9+.-]*://[^/?#\s@]+")
+
+
+def cors_origin(value: str) -> str:
+    """One ``--cors-origin``: ``*``, or an origin as browsers send it
+    (``scheme://host[:port]``, lower case, no path). A trailing ``/`` is dropped.
+
+    >>> cors_origin("HTTP://LocalHost:5173/")
+    'http://localhost:5173'
+    """
+    origin = value.strip().rstrip("/").lower()
+    if origin == "*" or _ORIGIN.fullmatch(origin):
+        return origin
+    raise argparse.ArgumentTypeError(
+        f"expected '*' or an origin such as http://localhost:5173, got {value!r}"
+    )
 
 
 @dataclass(slots=True)
