@@ -55,6 +55,22 @@ def cc_server(servers: dict[str, str]) -> str:
     return servers["cc"]
 
 
+@pytest.fixture(scope="module")
+def long_server() -> Iterator[str]:
+    """Claude Code's settings over a context that holds its whole prompt (the tiny
+    tokenizer spends ~1.2 tokens per character of its redacted filler)."""
+    engine = Engine(scripted_model(context_length=131072), num_blocks=12000)
+    try:
+        with serve(
+            registry_for({"scripted": engine}, default_model=""),
+            ServerConfig(api_token=TOKEN, clamp_max_tokens=True),
+        ) as srv:
+            yield srv.url
+        assert_at_rest(engine)
+    finally:
+        engine.close()
+
+
 CC_HEADERS = {
     "x-api-key": TOKEN,
     "anthropic-version": "2023-06-01",
@@ -62,17 +78,63 @@ CC_HEADERS = {
 }
 
 
-@pytest.mark.parametrize("name", ["agent_turn", "tool_followup", "title", "quota_probe"])
-def test_claude_code_fixtures_are_served(cc_server: str, name: str) -> None:
+ALL_FIXTURES = sorted(p.stem for p in FIXTURES.glob("*.json"))
+
+
+def usage_sum(usage: dict[str, Any]) -> int:
+    """What Claude Code's context meter adds up."""
+    return int(
+        usage["input_tokens"]
+        + usage["cache_read_input_tokens"]
+        + usage["cache_creation_input_tokens"]
+    )
+
+
+@pytest.mark.parametrize("stream", [True, False], ids=["stream", "json"])
+@pytest.mark.parametrize("name", ALL_FIXTURES)
+def test_claude_code_fixtures_are_served(long_server: str, name: str, stream: bool) -> None:
+    """Every request shape Claude Code sends: 200, and count_tokens == the usage sum."""
+    body = fixture(name)
+    body.setdefault("max_tokens", 64)  # the count_tokens captures carry none
+    body["stream"] = stream
+    ct = httpx.post(
+        long_server + "/v1/messages/count_tokens?beta=true",
+        json=body,
+        headers=CC_HEADERS,
+        timeout=120,
+    )
+    assert ct.status_code == 200, ct.text
     r = httpx.post(
-        cc_server + "/v1/messages?beta=true", json=fixture(name), headers=CC_HEADERS, timeout=30
+        long_server + "/v1/messages?beta=true", json=body, headers=CC_HEADERS, timeout=120
     )
     assert r.status_code == 200, r.text
-    if fixture(name).get("stream"):
-        names = [n for n, _ in sse_events(r.text)]
+    if stream:
+        events = sse_events(r.text)
+        names = [n for n, _ in events]
         assert names[0] == "message_start" and names[-1] == "message_stop"
+        start = events[0][1]["message"]["usage"]
+        final = next(p for n, p in events if n == "message_delta")["usage"]
+        assert usage_sum(start) == usage_sum(final) == ct.json()["input_tokens"]
+        assert start["cache_read_input_tokens"] == final["cache_read_input_tokens"]
     else:
         assert r.json()["type"] == "message"
+        assert usage_sum(r.json()["usage"]) == ct.json()["input_tokens"]
+
+
+def test_system_turns_stay_in_place(long_server: str) -> None:
+    """Claude Code's environment block (a system turn after the first user turn)
+    is rendered where it was sent, not hoisted into the leading system prompt."""
+    body = fixture("cc-2.1.332-system-turn-12-tools")
+    env_text = body["messages"][1]["content"][0]["text"]
+    from mlx_cairn.protocol.anthropic import parse_messages_request
+
+    chat = parse_messages_request(body, max_tokens_limit=200000).chat
+    assert [m.role for m in chat.messages] == ["system", "user", "system"]
+    assert chat.messages[2].content == env_text
+    text = scripted_model().prompt(chat).text
+    user_at = text.index("Say hello")
+    assert text.index(env_text) > user_at
+    assert text.rindex("<|im_start|>system") > user_at
 
 
 def test_claude_code_count_tokens_matches_usage(cc_server: str) -> None:
@@ -84,8 +146,12 @@ def test_claude_code_count_tokens_matches_usage(cc_server: str) -> None:
     )
     assert ct.status_code == 200
     full = fixture("count_tokens") | {"max_tokens": 64}
-    r = httpx.post(cc_server + "/v1/messages?beta=true", json=full, headers=CC_HEADERS, timeout=30)
-    assert r.json()["usage"]["input_tokens"] == ct.json()["input_tokens"]
+    for _ in range(2):  # cold, then mostly from the prefix cache
+        r = httpx.post(
+            cc_server + "/v1/messages?beta=true", json=full, headers=CC_HEADERS, timeout=30
+        )
+        assert usage_sum(r.json()["usage"]) == ct.json()["input_tokens"]
+    assert r.json()["usage"]["cache_read_input_tokens"] > 0
 
 
 def test_without_clamping_claude_code_max_tokens_is_a_context_400(servers: dict[str, str]) -> None:

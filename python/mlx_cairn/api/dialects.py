@@ -193,5 +193,10 @@ def response_for(dialect: Dialect, err: CairnError) -> Response:
     if retry_after is not None:
         headers["Retry-After"] = str(max(1, round(retry_after)))
     return error_response(
-        dialect, err.status, err.kind, err.message, param=err.param, headers=headers
+        dialect,
+        err.status,
+        err.kind,
+        err.message_for(dialect.name),
+        param=err.param,
+        headers=headers,
     )

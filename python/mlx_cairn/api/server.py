@@ -11,6 +11,7 @@ import sys
 import threading
 from pathlib import Path
 from types import FrameType
+from typing import Any
 
 from mlx_cairn.api.registry import ModelRegistry
 from mlx_cairn.api.state import (
@@ -66,6 +67,37 @@ def parse_aliases(items: list[str]) -> dict[str, str]:
     return out
 
 
+#: Claude Code's prompt is 12k-32k tokens (system prompt, 12-25 tools); with room
+#: for an answer a model needs this much context to serve it.
+CLAUDE_CODE_CONTEXT = 32768
+
+
+def override_context(loaded: Any, tokens: int) -> None:
+    """``--context-length``: serve ``loaded`` with ``tokens`` of context (warns above its training)."""
+    trained = int(loaded.context_length)
+    if tokens > trained:
+        log.warning(
+            "%s: --context-length %d is above the %d tokens it was trained for; "
+            "quality may drop past that point",
+            loaded.name,
+            tokens,
+            trained,
+        )
+    loaded.context_length = tokens
+
+
+def claude_code_fit(name: str, context: int) -> str:
+    """One line saying whether a model's context can hold Claude Code's prompt."""
+    if context >= CLAUDE_CODE_CONTEXT:
+        return f"Claude Code: {name} has {context} tokens of context, enough for its prompt"
+    return (
+        f"Claude Code: {name} has {context} tokens of context, too few for its 12k-32k-token "
+        f"prompt; serve a model with at least {CLAUDE_CODE_CONTEXT} "
+        "(make serve SERVE_ARGS='--model PATH --default-model --clamp-max-tokens'), "
+        f"or raise it with --context-length {2 * CLAUDE_CODE_CONTEXT}"
+    )
+
+
 def build(args: argparse.Namespace, env: dict[str, str]) -> tuple[ModelRegistry, ServerConfig]:
     """Validate the flags and build the (not yet loaded) registry and config."""
     token = read_token(args.api_key_file, env)
@@ -77,9 +109,14 @@ def build(args: argparse.Namespace, env: dict[str, str]) -> tuple[ModelRegistry,
     if args.max_queue < 1:
         raise ServeError("--max-queue must be at least 1")
 
-    def engine_factory(loaded: object) -> object:
+    if args.context_length is not None and args.context_length < 2:
+        raise ServeError("--context-length must be at least 2")
+
+    def engine_factory(loaded: Any) -> object:
         from mlx_cairn.engine import Engine
 
+        if args.context_length is not None:
+            override_context(loaded, args.context_length)
         return Engine(loaded, kv_cache_gb=args.kv_cache_gb, max_queue=args.max_queue)
 
     sources: list[str | None] = list(args.model) if args.model else [None]
@@ -151,6 +188,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="KV cache size in GiB (default: sized from free memory)",
     )
     p.add_argument(
+        "--context-length",
+        type=int,
+        default=None,
+        metavar="N",
+        help="serve every model with a context of N tokens instead of its configured one "
+        "(warns above the trained length)",
+    )
+    p.add_argument(
         "--max-body-mb",
         type=float,
         default=DEFAULT_MAX_BODY_BYTES / 2**20,
@@ -201,6 +246,9 @@ def run(args: argparse.Namespace) -> int:
         return 2
     registry.load_all()
     app = create_app(registry, config)
+    for sm in registry.models:
+        if sm.loaded is not None:
+            print(claude_code_fit(sm.name, int(sm.loaded.context_length)), flush=True)
     names = ", ".join(registry.names())
     log.info(
         "serving %s on http://%s:%d (auth: %s)",
