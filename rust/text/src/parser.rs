@@ -6,12 +6,19 @@
 //! the next push), or a false alarm (released as content). Content goes to
 //! the sink of the mode: visible text, reasoning, or a tool-call body that
 //! is parsed when its closing tag (or the end of the stream) arrives.
+//!
+//! Tool-call arguments often carry code, and code can contain the very tag
+//! text that delimits the call, so inside a body tags count only outside
+//! JSON strings; `body` says where each family's body ends.
+mod body;
+
 use std::mem::take;
 
 use crate::json_scan::JsonScan;
 use crate::tags::{Lookup, Tag, TagSet};
 use crate::tags::{MISTRAL_CALLS, PYTHON_TAG, THINK_CLOSE, THINK_OPEN, TOOL_CLOSE, TOOL_OPEN};
-use crate::{toolcall, Family, TextError};
+use crate::toolcall;
+use crate::{Family, TextError};
 
 /// A parsed tool call.
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
@@ -36,13 +43,18 @@ pub enum Segment {
 enum Mode {
     Text,
     Reasoning,
-    /// Inside `<tool_call>` (Hermes JSON or Qwen3-Coder `<function=..>`).
+    /// Inside `<tool_call>` (Hermes JSON or Qwen3-Coder `<function=..>`),
+    /// up to a `</tool_call>` outside JSON strings that
+    /// [`toolcall::tagged_close_ends`] accepts.
     Tagged,
-    /// After Llama's `<|python_tag|>`, up to an end marker or the end.
+    /// After Llama's `<|python_tag|>`, up to an end marker outside JSON
+    /// strings, or the end.
     Python,
-    /// After Mistral's `[TOOL_CALLS]`, up to the next one or the end.
+    /// After Mistral's `[TOOL_CALLS]`, up to the next one or an end marker
+    /// outside JSON strings, or the end.
     Mistral,
-    /// A Llama reply that opens with `{`: maybe a bare JSON call.
+    /// A Llama reply that opens with `{`: maybe a bare JSON call, up to the
+    /// bracket that closes it (brackets inside strings do not count).
     BareJson,
 }
 
@@ -54,6 +66,8 @@ enum Mode {
 ///   `<think>` in the prompt). Without `reasoning` those tags are plain text.
 /// - Without a family, tool-call tags are plain text.
 /// - A malformed tool call comes back as text, tags included.
+/// - Tag text inside a tool call's JSON strings (or a Qwen3-Coder value) is
+///   part of the call; only end-of-turn markers are dropped there too.
 /// - Whitespace right after a reasoning block or a tool call is dropped (it
 ///   is template formatting, not an answer).
 ///
@@ -74,13 +88,15 @@ pub struct OutputParser {
     text_tags: TagSet,
     reasoning_tags: TagSet,
     tagged_tags: TagSet,
-    python_tags: TagSet,
+    /// End markers alone: Python and bare JSON bodies, and JSON strings.
+    marker_tags: TagSet,
     mistral_tags: TagSet,
     mode: Mode,
     /// Input held back because it may be the start of a tag.
     buf: String,
     /// The tool-call body being collected.
     body: String,
+    /// String state of `body`; it sees every byte pushed to `body`.
     json: JsonScan,
     /// Whitespace held while `lead` is set.
     pending: String,
@@ -125,7 +141,7 @@ impl OutputParser {
             text_tags: TagSet::new(&text),
             reasoning_tags: TagSet::new(&think),
             tagged_tags: TagSet::new(&[(TOOL_CLOSE, Tag::ToolClose)]),
-            python_tags: TagSet::new(&[]),
+            marker_tags: TagSet::new(&[]),
             mistral_tags: TagSet::new(&[(MISTRAL_CALLS, Tag::MistralCalls)]),
             mode: Mode::Text,
             buf: String::new(),
@@ -262,10 +278,10 @@ impl OutputParser {
 
     fn tags(&self) -> &TagSet {
         match self.mode {
-            Mode::Text | Mode::BareJson => &self.text_tags,
+            Mode::Text => &self.text_tags,
             Mode::Reasoning => &self.reasoning_tags,
             Mode::Tagged => &self.tagged_tags,
-            Mode::Python => &self.python_tags,
+            Mode::Python | Mode::BareJson => &self.marker_tags,
             Mode::Mistral => &self.mistral_tags,
         }
     }
@@ -274,41 +290,51 @@ impl OutputParser {
         let mut pos = 0;
         while pos < s.len() {
             let rest = &s[pos..];
-            if self.mode == Mode::BareJson {
-                let (n, done) = self.json.feed(rest.as_bytes());
-                self.body.push_str(&rest[..n]);
-                pos += n;
-                if done {
-                    let body = take(&mut self.body);
-                    self.mode = Mode::Text;
-                    if let Some(calls) = toolcall::parse_llama(&body) {
-                        self.emit_calls(calls);
-                        self.after_call = true;
-                    } else {
-                        // Not a call after all: it is text, tags and all.
-                        self.not_bare();
-                        let again = body + &s[pos..];
-                        return self.process(&again, fin);
-                    }
+            // Content runs up to `c`, where a tag may start.
+            let c = match self.mode {
+                Mode::Text | Mode::Reasoning => {
+                    self.tags().next_candidate(rest).unwrap_or(rest.len())
                 }
+                _ => {
+                    let (n, closed) = self.body_content(rest);
+                    pos += n;
+                    if closed && self.mode == Mode::BareJson {
+                        if let Some(body) = self.finish_bare() {
+                            // Not a call after all: it is text, tags and all.
+                            let again = body + &s[pos..];
+                            return self.process(&again, fin);
+                        }
+                    }
+                    if n > 0 {
+                        continue;
+                    }
+                    0
+                }
+            };
+            if c > 0 {
+                pos += self.content(&rest[..c]);
                 continue;
             }
-            let tags = self.tags();
-            match tags.next_candidate(rest) {
-                None => pos += self.content(rest),
-                Some(0) => match tags.lookup(rest) {
-                    Lookup::Full(tag, n) => {
-                        pos += n;
+            let in_str = self.in_json_string();
+            let tags = if in_str {
+                &self.marker_tags
+            } else {
+                self.tags()
+            };
+            match tags.lookup(rest) {
+                Lookup::Full(tag, n) => {
+                    pos += n;
+                    // In a string the only tags are markers: dropped, no more.
+                    if !in_str {
                         self.on_tag(tag);
                     }
-                    Lookup::Partial if !fin => {
-                        self.buf.push_str(rest);
-                        return;
-                    }
-                    // A lone `<` or `[` is content (both are one byte).
-                    _ => pos += self.content(&rest[..1]),
-                },
-                Some(c) => pos += self.content(&rest[..c]),
+                }
+                Lookup::Partial if !fin => {
+                    self.buf.push_str(rest);
+                    return;
+                }
+                // A lone `<` or `[` is content (both are one byte).
+                _ => pos += self.content(&rest[..1]),
             }
         }
     }
@@ -323,7 +349,7 @@ impl OutputParser {
                 s.len()
             }
             Mode::Tagged | Mode::Python | Mode::Mistral | Mode::BareJson => {
-                self.body.push_str(s);
+                self.body_push(s);
                 s.len()
             }
         }
@@ -374,7 +400,12 @@ impl OutputParser {
                 self.block_end();
             }
             (Mode::Tagged, Tag::ToolClose) => {
-                self.finish_body(TOOL_OPEN, TOOL_CLOSE, toolcall::parse_tagged_body)
+                if toolcall::tagged_close_ends(&self.body) {
+                    self.finish_body(TOOL_OPEN, TOOL_CLOSE, toolcall::parse_tagged_body)
+                } else {
+                    // Inside a Qwen3-Coder value: the tag is value text.
+                    self.body_push(TOOL_CLOSE);
+                }
             }
             (Mode::Python, Tag::Marker) => self.finish_body(PYTHON_TAG, "", toolcall::parse_llama),
             (Mode::Mistral, Tag::Marker) => {
@@ -387,43 +418,6 @@ impl OutputParser {
             // Stray closing tags and `<think>` inside reasoning carry no meaning.
             _ => {}
         }
-    }
-
-    fn open_body(&mut self, mode: Mode) {
-        self.pending.clear();
-        self.body.clear();
-        self.mode = mode;
-    }
-
-    /// Parses the collected body; on failure the raw text (with its tags)
-    /// becomes visible text so nothing the model wrote is lost.
-    fn finish_body(
-        &mut self,
-        open: &str,
-        close: &str,
-        parse: fn(&str) -> Option<Vec<crate::ToolCall>>,
-    ) {
-        let body = take(&mut self.body);
-        self.mode = Mode::Text;
-        match parse(&body) {
-            Some(calls) => {
-                self.emit_calls(calls);
-                self.after_call = self.family == Some(Family::Llama3);
-            }
-            None => {
-                self.lead = false;
-                self.trim = false;
-                self.detect_bare = false;
-                self.after_call = false;
-                let raw = [open, &body, close].concat();
-                self.emit_text(&raw);
-            }
-        }
-    }
-
-    fn emit_calls(&mut self, calls: Vec<crate::ToolCall>) {
-        self.out.extend(calls.into_iter().map(Segment::ToolCall));
-        self.block_end();
     }
 
     fn block_end(&mut self) {

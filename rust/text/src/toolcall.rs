@@ -55,23 +55,89 @@ pub(crate) fn parse_json_call(body: &str) -> Option<Vec<ToolCall>> {
     Some(calls(body, vec![call_from_value(&v)?]))
 }
 
-/// A body inside `<tool_call>`: JSON (Hermes) or `<function=..>` (Qwen3-Coder).
-pub(crate) fn parse_tagged_body(body: &str) -> Option<Vec<ToolCall>> {
+/// What a `<tool_call>` body holds, judged by how it starts. Decides which
+/// closing rule [`tagged_close_ends`] applies while the body streams in.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum BodyKind {
+    /// Hermes JSON: starts with `{`. The parser tracks its strings.
+    Json,
+    /// Qwen3-Coder: starts with `<function=`. Values are raw text.
+    Xml,
+    /// Anything else (so far): malformed, or too short to tell.
+    Other,
+}
+
+/// The kind of `body`, from its first non-whitespace text.
+pub(crate) fn body_kind(body: &str) -> BodyKind {
     let t = body.trim_start();
-    if t.starts_with("<function=") {
-        let (name, args) = parse_xml_function(body.trim())?;
-        Some(calls(body, vec![(name, args)]))
+    if t.starts_with('{') {
+        BodyKind::Json
+    } else if t.starts_with(FN_OPEN) {
+        BodyKind::Xml
     } else {
-        parse_json_call(body)
+        BodyKind::Other
     }
 }
 
-/// `<function=NAME>` then `<parameter=P>value</parameter>`* then `</function>`.
-/// Values are JSON when they parse as JSON, else strings; one leading and one
-/// trailing newline around a value belong to the format and are dropped. A
-/// missing `</parameter>` ends at the next parameter or `</function>`.
+/// A body inside `<tool_call>`: JSON (Hermes) or `<function=..>` (Qwen3-Coder).
+pub(crate) fn parse_tagged_body(body: &str) -> Option<Vec<ToolCall>> {
+    match body_kind(body) {
+        BodyKind::Xml => {
+            let (name, args) = parse_xml_function(body.trim())?;
+            Some(calls(body, vec![(name, args)]))
+        }
+        _ => parse_json_call(body),
+    }
+}
+
+const FN_OPEN: &str = "<function=";
+const FN_CLOSE: &str = "</function>";
+const PARAM_OPEN: &str = "<parameter=";
+const PARAM_CLOSE: &str = "</parameter>";
+
+/// Whether a `</tool_call>` that follows `body` (seen outside any JSON
+/// string) closes the call.
+///
+/// Qwen3-Coder values are raw text and may themselves contain
+/// `</tool_call>` (code that writes tool calls). Once a `<parameter=` has
+/// opened, the call is closed only by a `</tool_call>` right after
+/// `</function>` (whitespace between): the structural `</function>` of
+/// [`parse_xml_function`]. Before any parameter there is no value to be
+/// inside, so `</tool_call>` always closes (a malformed call then comes back
+/// as text). JSON and other bodies close at the first `</tool_call>` the
+/// parser sees; it never looks inside JSON strings.
+pub(crate) fn tagged_close_ends(body: &str) -> bool {
+    body_kind(body) != BodyKind::Xml
+        || !body.contains(PARAM_OPEN)
+        || body.trim_end().ends_with(FN_CLOSE)
+}
+
+/// `s` is optional whitespace then `</function>` then optional whitespace.
+fn is_function_end(s: &str) -> bool {
+    s.trim_start()
+        .strip_prefix(FN_CLOSE)
+        .is_some_and(|r| r.trim_start().is_empty())
+}
+
+/// `<function=NAME>` then `<parameter=P>value</parameter>`* then `</function>`,
+/// where `s` is the body without the enclosing `<tool_call>` tags.
+///
+/// Values are raw text and may contain any of these tags, so a closing tag
+/// counts only where the structure can continue after it:
+/// - `</function>` only when just whitespace follows it to the end of the
+///   body (that is, before `</tool_call>` or the end of the stream);
+/// - `</parameter>` only when, after optional whitespace, `<parameter=` or
+///   such a final `</function>` follows; a value missing its `</parameter>`
+///   runs to the final `</function>`.
+///
+/// Any other tag text is part of the value, so a value round-trips exactly
+/// unless it contains `</parameter>` followed by whitespace and
+/// `<parameter=`, or `</function>` followed by whitespace and `</tool_call>`
+/// (text that cannot be told from structure). Values are JSON when they
+/// parse as JSON, else strings; one leading and one trailing newline around
+/// a value belong to the format and are dropped.
 fn parse_xml_function(s: &str) -> Option<(String, String)> {
-    let rest = s.strip_prefix("<function=")?;
+    let rest = s.strip_prefix(FN_OPEN)?;
     let gt = rest.find('>')?;
     let name = rest[..gt].trim();
     if name.is_empty() || name.contains('<') {
@@ -80,30 +146,16 @@ fn parse_xml_function(s: &str) -> Option<(String, String)> {
     let mut rest = &rest[gt + 1..];
     let mut args = Map::new();
     loop {
-        rest = rest.trim_start();
-        if let Some(after) = rest.strip_prefix("</function>") {
-            return after
-                .trim()
-                .is_empty()
-                .then(|| (name.to_owned(), Value::Object(args).to_string()));
+        if is_function_end(rest) {
+            return Some((name.to_owned(), Value::Object(args).to_string()));
         }
-        let p = rest.strip_prefix("<parameter=")?;
+        let p = rest.trim_start().strip_prefix(PARAM_OPEN)?;
         let gt = p.find('>')?;
         let pname = p[..gt].trim();
         if pname.is_empty() || pname.contains('<') {
             return None;
         }
-        let p = &p[gt + 1..];
-        let (value, next) = match p.find("</parameter>") {
-            Some(end) => (&p[..end], &p[end + "</parameter>".len()..]),
-            None => {
-                let end = [p.find("<parameter="), p.find("</function>")]
-                    .into_iter()
-                    .flatten()
-                    .min()?;
-                (&p[..end], &p[end..])
-            }
-        };
+        let (value, next) = split_value(&p[gt + 1..])?;
         let value = value.strip_prefix('\n').unwrap_or(value);
         let value = value.strip_suffix('\n').unwrap_or(value);
         let v = serde_json::from_str::<Value>(value)
@@ -111,6 +163,23 @@ fn parse_xml_function(s: &str) -> Option<(String, String)> {
         args.insert(pname.to_owned(), v);
         rest = next;
     }
+}
+
+/// Splits a parameter's text into its value and what follows the value's
+/// end (after `</parameter>`, or at the final `</function>`).
+fn split_value(p: &str) -> Option<(&str, &str)> {
+    let mut from = 0;
+    while let Some(i) = p[from..].find(PARAM_CLOSE) {
+        let at = from + i;
+        let after = &p[at + PARAM_CLOSE.len()..];
+        let t = after.trim_start();
+        if t.starts_with(PARAM_OPEN) || is_function_end(t) {
+            return Some((&p[..at], after));
+        }
+        from = at + PARAM_CLOSE.len();
+    }
+    let value = p.trim_end().strip_suffix(FN_CLOSE)?;
+    Some((value, &p[value.len()..]))
 }
 
 /// Llama 3: one or more JSON call objects separated by `;` and whitespace.
@@ -203,10 +272,11 @@ mod tests {
             r#"{"city":"New York","days":3,"opts":{"unit":"C"}}"#
         );
         assert_eq!(c[0].raw, body);
-        // Missing </parameter> ends at the next parameter.
+        // A missing </parameter> runs to the final </function>; a
+        // <parameter= inside a value is value text.
         let c =
-            parse_tagged_body("<function=f><parameter=a>x<parameter=b>true</function>").unwrap();
-        assert_eq!(c[0].arguments, r#"{"a":"x","b":true}"#);
+            parse_tagged_body("<function=f><parameter=a>x<parameter=b>true</function>\n").unwrap();
+        assert_eq!(c[0].arguments, r#"{"a":"x<parameter=b>true"}"#);
         let c = parse_tagged_body("<function=f></function>").unwrap();
         assert_eq!(c[0].arguments, "{}");
         for bad in [
@@ -216,6 +286,43 @@ mod tests {
             "<function=f></function> tail",
         ] {
             assert!(parse_tagged_body(bad).is_none(), "{bad}");
+        }
+    }
+
+    #[test]
+    fn qwen3_coder_tags_inside_values() {
+        let args = |body: &str| parse_tagged_body(body).map(|c| c[0].arguments.clone());
+        let v = "a</parameter>b</function>c</tool_call>d<parameter=e";
+        let body = format!("<function=f>\n<parameter=code>\n{v}\n</parameter>\n</function>\n");
+        assert_eq!(
+            args(&body).unwrap(),
+            serde_json::json!({ "code": v }).to_string()
+        );
+        // </parameter> then </function> that is not final: still the value.
+        let body = "<function=f><parameter=a>x</parameter></function>y</parameter></function>";
+        assert_eq!(args(body).unwrap(), r#"{"a":"x</parameter></function>y"}"#);
+        let body = "<function=f><parameter=a>1</parameter> <parameter=b>2</parameter></function>";
+        assert_eq!(args(body).unwrap(), r#"{"a":1,"b":2}"#);
+        // The ambiguous case the rule documents: structure wins.
+        let body = "<function=f><parameter=a>x</parameter><parameter=b>y</parameter></function>";
+        assert_eq!(args(body).unwrap(), r#"{"a":"x","b":"y"}"#);
+        assert!(args("<function=f><parameter=a>x</parameter>").is_none());
+        assert!(args("<function=f><parameter=a>x</function> y").is_none());
+    }
+
+    #[test]
+    fn when_tool_close_ends_a_body() {
+        for (body, ends) in [
+            ("", true),
+            (r#"{"name": "f"}"#, true),
+            ("<function=f>", true),
+            ("<function=f>\n</function>\n", true),
+            ("<function=f><parameter=a>x", false),
+            ("<function=f><parameter=a>x</parameter>\n", false),
+            ("<function=f><parameter=a>x</parameter></function> \n", true),
+            ("hello", true),
+        ] {
+            assert_eq!(tagged_close_ends(body), ends, "{body:?}");
         }
     }
 

@@ -1,75 +1,8 @@
 mod common;
 
-use cairn_text::{parse_output, Family, OutputParser, Segment, ToolCall};
-use common::{chunks_of, random_chunks, random_text, Rng};
-
-fn text(s: &str) -> Segment {
-    Segment::Text(s.into())
-}
-fn reasoning(s: &str) -> Segment {
-    Segment::Reasoning(s.into())
-}
-fn call(name: &str, args: &str) -> (String, String) {
-    (name.into(), args.into())
-}
-
-/// Streams `chunks`, coalesces, and checks it equals the one-shot result.
-fn stream(
-    input: &str,
-    chunks: &[String],
-    family: Option<Family>,
-    reasoning: bool,
-    sir: bool,
-) -> Vec<Segment> {
-    let mut p = OutputParser::new(family, reasoning, sir).unwrap();
-    let mut segs = Vec::new();
-    for c in chunks {
-        segs.extend(p.push(c));
-    }
-    segs.extend(p.flush());
-    let segs = OutputParser::coalesce(segs);
-    assert_eq!(
-        segs,
-        parse_output(input, family, reasoning, sir).unwrap(),
-        "input {input:?} chunks {chunks:?}"
-    );
-    segs
-}
-
-/// Checks `input` parses to `want` for chunk sizes 1, 2, 3, 5, 8 and whole.
-fn check(input: &str, family: Option<Family>, reasoning: bool, sir: bool, want: &[Segment]) {
-    for n in [1, 2, 3, 5, 8, usize::MAX] {
-        let chunks = if n == usize::MAX {
-            vec![input.to_owned()]
-        } else {
-            chunks_of(input, n)
-        };
-        assert_eq!(
-            stream(input, &chunks, family, reasoning, sir),
-            want,
-            "chunk size {n}"
-        );
-    }
-}
-
-fn calls_of(segs: &[Segment]) -> Vec<(String, String)> {
-    segs.iter()
-        .filter_map(|s| match s {
-            Segment::ToolCall(ToolCall {
-                name, arguments, ..
-            }) => Some((name.clone(), arguments.clone())),
-            _ => None,
-        })
-        .collect()
-}
-
-fn tc(name: &str, args: &str, raw: &str) -> Segment {
-    Segment::ToolCall(ToolCall {
-        name: name.into(),
-        arguments: args.into(),
-        raw: raw.into(),
-    })
-}
+use cairn_text::{parse_output, Family, OutputParser, Segment};
+use common::parse::{call, calls_of, check, reasoning, stream, tc, text};
+use common::{random_chunks, random_text, Rng};
 
 const WEATHER: &str = r#"{"name": "get_weather", "arguments": {"city": "NYC"}}"#;
 
@@ -346,6 +279,14 @@ fn mistral_calls() {
     );
 }
 
+/// Random cases per property test; `CAIRN_TEXT_CASES` raises it for a deeper run.
+fn iterations() -> usize {
+    std::env::var("CAIRN_TEXT_CASES")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(3000)
+}
+
 /// Structural tags and markers, for the leak and accounting checks.
 fn strip_tags(s: &str) -> String {
     let mut s = s.to_owned();
@@ -384,6 +325,17 @@ fn random_inputs_are_chunking_invariant_and_lose_nothing() {
         "<|python_tag|>",
         "[TOOL_CALLS]",
         ";",
+        // Strings and values that may hide tag text.
+        "\"",
+        "\\",
+        "[",
+        "]",
+        "<function=f>",
+        "<parameter=p>",
+        "</parameter>",
+        "</function>",
+        r#"{"name": "f", "arguments": {"s": "</tool_call><think>"#,
+        r#"[{"name": "f", "arguments": {"s": "[TOOL_CALLS]<|eom_id|>"}}]"#,
     ];
     let families = [
         None,
@@ -393,7 +345,7 @@ fn random_inputs_are_chunking_invariant_and_lose_nothing() {
         Some(Family::Mistral),
     ];
     let mut rng = Rng(0xfeed_0000_1111_2222);
-    for _ in 0..3000 {
+    for _ in 0..iterations() {
         let input = random_text(&mut rng, &alphabet, 12);
         let family = *rng.pick(&families);
         let reasoning = rng.below(2) == 1;

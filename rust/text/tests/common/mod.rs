@@ -2,6 +2,8 @@
 //! chunking utilities (no extra dependencies).
 #![allow(dead_code)]
 
+pub mod parse;
+
 pub struct Rng(pub u64);
 
 impl Rng {
