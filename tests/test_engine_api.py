@@ -12,7 +12,7 @@ from mlx_cairn.engine import Engine, paged
 from mlx_cairn.engine.testing import assert_at_rest, closing_at_rest, greedy_reference
 from mlx_cairn.errors import ContextLengthExceeded, EngineError, InvalidRequest
 from mlx_cairn.models.testing import tiny_model
-from mlx_cairn.types import ChatRequest, Done, Error, Message, SamplingParams, TextDelta
+from mlx_cairn.types import Admitted, ChatRequest, Done, Error, Message, SamplingParams, TextDelta
 
 TIMEOUT = 60.0
 
@@ -141,7 +141,8 @@ def test_streams_on_several_loops_at_once(engine):
     assert sorted(results) == [0, 1, 2]
     for events in results.values():
         assert isinstance(events[-1], Done)
-        assert all(isinstance(e, (TextDelta, Done)) for e in events)
+        assert isinstance(events[0], Admitted)
+            assert all(isinstance(e, (TextDelta, Done)) for e in events[1:])
 
 
 def test_fault_in_a_step_fails_only_that_step(engine):
