@@ -142,7 +142,7 @@ def test_streams_on_several_loops_at_once(engine):
     for events in results.values():
         assert isinstance(events[-1], Done)
         assert isinstance(events[0], Admitted)
-            assert all(isinstance(e, (TextDelta, Done)) for e in events[1:])
+        assert all(isinstance(e, (TextDelta, Done)) for e in events[1:])
 
 
 def test_fault_in_a_step_fails_only_that_step(engine):
