@@ -415,3 +415,102 @@ def test_unserializable_tool_arguments_come_back_as_text() -> None:
         msg = fold_events(run(codec(), [ToolCall("t", "f", args), DONE]))
         assert [b["type"] for b in msg["content"]] == ["text"]
         assert json.loads(msg["content"][0]["text"])["name"] == "f"
+
+
+# ------------------------------------------------------- what current clients send
+
+CACHE = {"cache_control": {"type": "ephemeral", "ttl": "1h"}}
+
+
+def test_system_turns_anywhere_stay_in_place() -> None:
+    r = parse(
+        base(
+            system=[{"type": "text", "text": "lead", **CACHE}],
+            messages=[
+                {"role": "user", "content": "a"},
+                {"role": "system", "content": [{"type": "text", "text": "env", **CACHE}]},
+                {"role": "assistant", "content": "b"},
+                {"role": "system", "content": "late"},
+                {"role": "user", "content": "c"},
+            ],
+        )
+    )
+    got = [(m.role, m.content) for m in r.chat.messages]
+    assert got == [
+        ("system", "lead"),
+        ("user", "a"),
+        ("system", "env"),
+        ("assistant", "b"),
+        ("system", "late"),
+        ("user", "c"),
+    ]
+    with pytest.raises(InvalidRequest, match=r"messages\[1\].content\[0\].type"):
+        parse(
+            base(
+                messages=[
+                    {"role": "user", "content": "a"},
+                    {"role": "system", "content": [{"type": "image"}]},
+                ]
+            )
+        )
+
+
+def test_fields_claude_code_sends_are_accepted() -> None:
+    """Cache markers on every block, tool flags, metadata, context management, effort."""
+    tool = {
+        "name": "Read",
+        "description": "read a file",
+        "input_schema": {"type": "object"},
+        "strict": True,
+        "defer_loading": True,
+        "eager_input_streaming": True,
+        **CACHE,
+    }
+    r = parse(
+        base(
+            system=[{"type": "text", "text": "s", **CACHE}],
+            tools=[tool, {"type": "web_search_20250305", "name": "web_search"}],
+            metadata={"user_id": "u"},
+            context_management={"edits": [{"type": "clear_thinking_20251015", "keep": "all"}]},
+            output_config={"effort": "max"},
+            thinking={"type": "adaptive", "display": "updates"},
+            messages=[
+                {"role": "user", "content": [{"type": "text", "text": "q", **CACHE}]},
+                {
+                    "role": "assistant",
+                    "content": [
+                        {"type": "thinking", "thinking": "t", "signature": "sig"},
+                        {"type": "redacted_thinking", "data": "opaque"},
+                        {"type": "server_tool_use", "id": "srvtoolu_1", "name": "web_search"},
+                        {"type": "tool_use", "id": "toolu_1", "name": "Read", "input": {}, **CACHE},
+                    ],
+                },
+                {
+                    "role": "user",
+                    "content": [
+                        {
+                            "type": "tool_result",
+                            "tool_use_id": "toolu_1",
+                            "content": [
+                                {"type": "text", "text": "file body", **CACHE},
+                                {"type": "tool_reference", "tool_name": "Grep"},
+                                {
+                                    "type": "search_result",
+                                    "title": "T",
+                                    "source": "S",
+                                    "content": [{"type": "text", "text": "found"}],
+                                },
+                            ],
+                            **CACHE,
+                        },
+                        {"type": "web_search_tool_result", "tool_use_id": "srvtoolu_1"},
+                    ],
+                },
+            ],
+        )
+    )
+    assert [t.name for t in r.chat.tools] == ["Read"]
+    assert (r.chat.reasoning, r.chat.reasoning_budget, r.show_thinking) == (True, None, True)
+    tool_msg = next(m for m in r.chat.messages if m.role == "tool")
+    assert tool_msg.content == "file body\n[tool available: Grep]\nT\nS\nfound"
+    assert r.chat.messages[2].reasoning == "t"

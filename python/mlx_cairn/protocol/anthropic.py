@@ -237,20 +237,58 @@ def _map_assistant(content: list[Any], param: str) -> Message:
             texts.append(_text_of(block, bp))
         elif kind == "thinking":
             reasoning.append(_text_of(block, bp, "thinking"))
-        elif kind == "redacted_thinking":
-            continue  # opaque to us
         elif kind == "tool_use":
             calls.append(_map_tool_use(block, bp))
-        elif kind in ("image", "document"):
-            texts.append(MEDIA_PLACEHOLDER.format(kind=kind))
-        else:
-            raise fail(f"{bp}.type", f"unsupported content block type {short(kind)}")
+        elif text := _other_block(kind, block, bp):
+            texts.append(text)
     return Message(
         "assistant",
         "".join(texts),
         reasoning="\n".join(reasoning) if reasoning else None,
         tool_calls=calls,
     )
+
+
+#: Blocks of server-side tools (web search, code execution, MCP connectors, ...)
+#: and redacted thinking: nothing a local model ran or can read; left out.
+SERVER_BLOCKS = frozenset(
+    {
+        "redacted_thinking",
+        "server_tool_use",
+        "web_search_tool_result",
+        "web_fetch_tool_result",
+        "code_execution_tool_result",
+        "bash_code_execution_tool_result",
+        "text_editor_code_execution_tool_result",
+        "tool_search_tool_result",
+        "mcp_tool_use",
+        "mcp_tool_result",
+        "container_upload",
+    }
+)
+
+
+def _other_block(kind: str, block: dict[str, Any], bp: str) -> str:
+    """The prompt text of a block that is neither text nor a tool call or result.
+
+    Images and documents become a placeholder, a ``search_result`` its title
+    and text, a ``tool_reference`` (tool search) the tool's name; server-side
+    blocks give "" (left out). Any other type is a 400.
+    """
+    if kind in ("image", "document"):
+        return MEDIA_PLACEHOLDER.format(kind=kind)
+    if kind in SERVER_BLOCKS:
+        return ""
+    if kind == "search_result":
+        parts = [block.get("title"), block.get("source")]
+        content = block.get("content")
+        if isinstance(content, list):
+            parts += [c.get("text") for c in content if isinstance(c, dict)]
+        return "\n".join(p for p in parts if isinstance(p, str) and p)
+    if kind == "tool_reference":
+        name = block.get("tool_name")
+        return f"[tool available: {name}]" if isinstance(name, str) and name else ""
+    raise fail(f"{bp}.type", f"unsupported content block type {short(kind)}")
 
 
 def _map_tool_use(block: dict[str, Any], bp: str) -> ToolCall:
@@ -282,10 +320,8 @@ def _map_user(
             msg = _map_tool_result(block, bp, tool_names)
             # Stable sort key: the assistant's tool_use order, unknown ids last.
             results.append((tool_order.get(msg.tool_call_id or "", len(tool_order)), j, msg))
-        elif kind in ("image", "document"):
-            texts.append(MEDIA_PLACEHOLDER.format(kind=kind))
-        else:
-            raise fail(f"{bp}.type", f"unsupported content block type {short(kind)}")
+        elif text := _other_block(kind, block, bp):
+            texts.append(text)
     out = [m for _, _, m in sorted(results, key=lambda r: (r[0], r[1]))]
     if texts or not results:
         out.append(Message("user", "\n".join(texts)))
@@ -313,10 +349,8 @@ def _map_tool_result(block: dict[str, Any], bp: str, tool_names: dict[str, str])
             kind = _block(sub, sp)
             if kind == "text":
                 parts.append(_text_of(sub, sp))
-            elif kind in ("image", "document"):
-                parts.append(MEDIA_PLACEHOLDER.format(kind=kind))
-            else:
-                raise fail(f"{sp}.type", f"unsupported content block type {short(kind)}")
+            elif sub_text := _other_block(kind, sub, sp):
+                parts.append(sub_text)
         text = "\n".join(parts)
     else:
         raise fail(f"{bp}.content", "must be a string or a list of content blocks")
