@@ -130,8 +130,10 @@ def test_message_start_carries_the_real_cache_hit(scripted: Any) -> None:
     final = next(p for n, p in events if n == "message_delta")["usage"]
     assert start["cache_read_input_tokens"] > 0
     assert start["cache_read_input_tokens"] == final["cache_read_input_tokens"]
-    assert start["input_tokens"] == final["input_tokens"] == prompt_tokens(cold.usage) - (
-        start["cache_read_input_tokens"]
+    assert (
+        start["input_tokens"]
+        == final["input_tokens"]
+        == prompt_tokens(cold.usage) - (start["cache_read_input_tokens"])
     )
     with client.messages.stream(**body) as s:  # the SDK's accumulator agrees
         msg = s.get_final_message()
