@@ -74,7 +74,7 @@ CLAUDE_CODE_CONTEXT = 32768
 
 def override_context(loaded: Any, tokens: int) -> None:
     """``--context-length``: serve ``loaded`` with ``tokens`` of context (warns above its training)."""
-    trained = int(loaded.context_length)
+    trained = int(loaded.extra.setdefault("trained_context_length", loaded.context_length))
     if tokens > trained:
         log.warning(
             "%s: --context-length %d is above the %d tokens it was trained for; "
