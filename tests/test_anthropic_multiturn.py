@@ -7,6 +7,7 @@ is never fed to the model, so it has no KV of its own).
 
 from __future__ import annotations
 
+import itertools
 import json
 from collections.abc import Iterator
 from typing import Any
@@ -67,7 +68,7 @@ def converse(
 
 
 def assert_each_turn_reuses_the_last(turns: list[tuple[Any, Any]]) -> None:
-    for (prev, _), (msg, count) in zip(turns, turns[1:], strict=False):
+    for (prev, _), (msg, count) in itertools.pairwise(turns):
         assert prompt_tokens(msg.usage) == count  # the three fields add up to count_tokens
         p, o = prompt_tokens(prev.usage), prev.usage.output_tokens
         assert msg.usage.cache_read_input_tokens >= covered(p, o), (p, o, msg.usage)
