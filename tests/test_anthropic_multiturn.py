@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import itertools
 import json
+import threading
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -17,6 +19,7 @@ import httpx
 import pytest
 
 from live_server import registry_for, serve, sse_events
+from mlx_cairn.api import ServerConfig
 from mlx_cairn.engine import Engine
 from mlx_cairn.engine.testing import assert_at_rest
 from scripted_model import say, scripted_model
@@ -160,6 +163,41 @@ def test_default_model_conversation_reuses_every_turn(default_model: Any) -> Non
             )
         assert all(m.usage.output_tokens > 0 for m, _ in turns)
         assert_each_turn_reuses_the_last(turns)
+        assert_at_rest(engine)
+    finally:
+        engine.close()
+
+
+def test_pings_keep_a_queued_stream_alive_until_message_start() -> None:
+    """message_start waits for admission; pings come first and the SDK accepts them."""
+    engine = Engine(scripted_model(), num_blocks=512, block_size=BLOCK, max_batch=1)
+    try:
+        with (
+            serve(registry_for({"scripted": engine}), ServerConfig(ping_interval=0.02)) as srv,
+            anthropic.Anthropic(base_url=srv.url, api_key="unused", max_retries=0) as client,
+        ):
+            busy = threading.Thread(
+                target=client.messages.create,
+                kwargs={
+                    "model": "scripted",
+                    "max_tokens": 3000,
+                    "messages": [{"role": "user", "content": say("word " * 1500)}],
+                },
+            )
+            busy.start()
+            time.sleep(0.2)  # the only batch slot is taken
+            body = {
+                "model": "scripted",
+                "max_tokens": 16,
+                "messages": [{"role": "user", "content": say("queued")}],
+            }
+            r = httpx.post(srv.url + "/v1/messages", json=body | {"stream": True}, timeout=60)
+            names = [n for n, _ in sse_events(r.text)]
+            first = names.index("message_start")
+            assert first > 0 and set(names[:first]) == {"ping"}
+            with client.messages.stream(**body) as s:
+                assert s.get_final_text() == "queued"
+            busy.join(60)
         assert_at_rest(engine)
     finally:
         engine.close()
