@@ -171,6 +171,7 @@ def test_default_model_conversation_reuses_every_turn(default_model: Any) -> Non
 def test_pings_keep_a_queued_stream_alive_until_message_start() -> None:
     """message_start waits for admission; pings come first and the SDK accepts them."""
     engine = Engine(scripted_model(), num_blocks=512, block_size=BLOCK, max_batch=1)
+    engine._fault_hook = lambda: time.sleep(0.01)  # a slow model: ~100 steps per second
     try:
         with (
             serve(registry_for({"scripted": engine}), ServerConfig(ping_interval=0.02)) as srv,
@@ -180,8 +181,8 @@ def test_pings_keep_a_queued_stream_alive_until_message_start() -> None:
                 target=client.messages.create,
                 kwargs={
                     "model": "scripted",
-                    "max_tokens": 3000,
-                    "messages": [{"role": "user", "content": say("word " * 1500)}],
+                    "max_tokens": 400,
+                    "messages": [{"role": "user", "content": say("word " * 60)}],
                 },
             )
             busy.start()
