@@ -1,30 +1,93 @@
-"""Typed errors raised before a stream starts; the API maps each to a status.
+"""Typed errors, and the one table that maps every error kind to its status and types.
 
-=====================  ======  =========================  ===================
-exception              status  Anthropic type             OpenAI type
-=====================  ======  =========================  ===================
-InvalidRequest         400     invalid_request_error      invalid_request_error
-ContextLengthExceeded  400     invalid_request_error      invalid_request_error
-ModelNotFound          404     not_found_error            not_found_error
-QueueFull              429     rate_limit_error           rate_limit_error
-ModelLoadError         500     api_error                  server_error
-EngineError            500     api_error                  server_error
-=====================  ======  =========================  ===================
+Every error the server sends, in any dialect, is looked up here by its kind:
+a :class:`CairnError` raised before a response starts, an ``Error`` event that
+ends a generation, or an HTTP-level refusal (401 from the auth gate, 413, 404
+for an unknown path). The kinds:
+
+================  ======  =========================  =====================  =======================
+kind              status  Anthropic type             OpenAI type            OpenAI code
+================  ======  =========================  =====================  =======================
+invalid_request   400     invalid_request_error      invalid_request_error
+context_length    400     invalid_request_error      invalid_request_error  context_length_exceeded
+authentication    401     authentication_error       authentication_error   invalid_api_key
+permission        403     permission_error           permission_error
+not_found         404     not_found_error            not_found_error
+method            405     invalid_request_error      invalid_request_error
+timeout           408     invalid_request_error      invalid_request_error  request_timeout
+too_large         413     request_too_large          invalid_request_error  request_too_large
+rate_limit        429     rate_limit_error           rate_limit_error       rate_limit_exceeded
+overloaded        529     overloaded_error           server_error           overloaded
+internal          500     api_error                  server_error
+model_load        500     api_error                  server_error
+================  ======  =========================  =====================  =======================
+
+A kind not in the table is ``internal``. A full request queue is
+``rate_limit`` (429 with ``Retry-After``: clients back off and retry).
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class ErrorKind:
+    """How one kind of error is answered."""
+
+    status: int
+    anthropic: str
+    openai: str
+    openai_code: str | None = None
+
+
+ERROR_KINDS: dict[str, ErrorKind] = {
+    "invalid_request": ErrorKind(400, "invalid_request_error", "invalid_request_error"),
+    "context_length": ErrorKind(
+        400, "invalid_request_error", "invalid_request_error", "context_length_exceeded"
+    ),
+    "authentication": ErrorKind(
+        401, "authentication_error", "authentication_error", "invalid_api_key"
+    ),
+    "permission": ErrorKind(403, "permission_error", "permission_error"),
+    "not_found": ErrorKind(404, "not_found_error", "not_found_error"),
+    "method": ErrorKind(405, "invalid_request_error", "invalid_request_error"),
+    "timeout": ErrorKind(408, "invalid_request_error", "invalid_request_error", "request_timeout"),
+    "too_large": ErrorKind(413, "request_too_large", "invalid_request_error", "request_too_large"),
+    "rate_limit": ErrorKind(429, "rate_limit_error", "rate_limit_error", "rate_limit_exceeded"),
+    "overloaded": ErrorKind(529, "overloaded_error", "server_error", "overloaded"),
+    "internal": ErrorKind(500, "api_error", "server_error"),
+    "model_load": ErrorKind(500, "api_error", "server_error"),
+}
+
+
+def error_kind(kind: str) -> ErrorKind:
+    """The table row of ``kind`` (``internal`` for kinds not in the table)."""
+    return ERROR_KINDS.get(kind) or ERROR_KINDS["internal"]
+
+
+def kind_for_status(status: int) -> str:
+    """The kind of an HTTP-level refusal that carries only a status (e.g. from Starlette)."""
+    for kind, row in ERROR_KINDS.items():
+        if row.status == status:
+            return kind
+    return "internal" if status >= 500 else "invalid_request"
 
 
 class CairnError(Exception):
     """Base class; ``kind`` names the error in the Event stream."""
 
     kind = "internal"
-    status = 500
 
     def __init__(self, message: str, *, param: str | None = None) -> None:
         super().__init__(message)
         self.message = message
         self.param = param
+
+    @property
+    def status(self) -> int:
+        """The HTTP status of this error's kind (:data:`ERROR_KINDS`)."""
+        return error_kind(self.kind).status
 
     def message_for(self, dialect: str) -> str:
         """The message in the words clients of ``dialect`` (a Dialect name) act on."""
@@ -33,7 +96,6 @@ class CairnError(Exception):
 
 class InvalidRequest(CairnError):
     kind = "invalid_request"
-    status = 400
 
 
 class ContextLengthExceeded(InvalidRequest):
@@ -99,12 +161,10 @@ class ContextLengthExceeded(InvalidRequest):
 
 class ModelNotFound(CairnError):
     kind = "not_found"
-    status = 404
 
 
 class QueueFull(CairnError):
-    kind = "overloaded"
-    status = 429
+    kind = "rate_limit"
 
     def __init__(self, message: str = "the request queue is full", *, retry_after: float = 1.0):
         super().__init__(message)
@@ -113,9 +173,7 @@ class QueueFull(CairnError):
 
 class ModelLoadError(CairnError):
     kind = "model_load"
-    status = 500
 
 
 class EngineError(CairnError):
     kind = "internal"
-    status = 500

@@ -11,21 +11,13 @@ from starlette.responses import Response
 from mlx_cairn.api.dialects import Dialect, ModelInfo
 from mlx_cairn.api.runner import GenerationResponse, count_prompt_tokens, start_generation
 from mlx_cairn.api.state import app_state, json_response, read_json
+from mlx_cairn.errors import error_kind
 from mlx_cairn.protocol.anthropic import parse_count_tokens_request, parse_messages_request
-from mlx_cairn.protocol.anthropic_stream import (
-    ERROR_TYPES,
-    AnthropicCodec,
-    error_payload,
-    status_type,
-)
+from mlx_cairn.protocol.anthropic_stream import AnthropicCodec, error_payload
 
 
 def _error_body(status: int, kind: str, message: str, param: str | None) -> dict[str, Any]:
-    return error_payload(status_type(status), message)
-
-
-def _status_for_kind(kind: str) -> int:
-    return ERROR_TYPES.get(kind, (500, "api_error"))[0]
+    return error_payload(error_kind(kind).anthropic, message)
 
 
 def _models_body(models: list[ModelInfo]) -> dict[str, Any]:
@@ -56,7 +48,6 @@ DIALECT = Dialect(
     error_body=_error_body,
     models_body=_models_body,
     header_hint="anthropic-version",
-    status_for_kind=_status_for_kind,
 )
 
 router = APIRouter()

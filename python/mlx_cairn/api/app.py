@@ -43,7 +43,7 @@ from mlx_cairn.api.metrics import install as install_metrics
 from mlx_cairn.api.openapi import install as install_openapi
 from mlx_cairn.api.registry import ModelRegistry
 from mlx_cairn.api.state import AppState, ServerConfig, app_state, json_response
-from mlx_cairn.errors import CairnError
+from mlx_cairn.errors import CairnError, kind_for_status
 
 log = logging.getLogger("mlx_cairn.api")
 
@@ -53,8 +53,6 @@ DIALECT_MODULES: list[str] = [
     "mlx_cairn.api.openai_chat",
     "mlx_cairn.api.openai_responses",
 ]
-
-_HTTP_KINDS = {404: "not_found", 405: "invalid_request", 413: "too_large"}
 
 #: Methods a browser script may use here (OPTIONS is the preflight itself).
 CORS_METHODS = ("GET", "HEAD", "POST", "DELETE", "OPTIONS")
@@ -193,7 +191,7 @@ def create_app(registry: ModelRegistry, config: ServerConfig | None = None) -> F
 
     @app.exception_handler(HTTPException)
     async def _http(request: Request, exc: HTTPException) -> Response:
-        kind = _HTTP_KINDS.get(exc.status_code, "invalid_request")
+        kind = kind_for_status(exc.status_code)
         message = "not found" if exc.status_code == 404 else str(exc.detail)
         return error_response(
             dialects.for_scope(request.scope),

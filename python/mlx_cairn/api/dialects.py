@@ -55,11 +55,6 @@ class ModelInfo:
     loaded: bool
 
 
-def default_status_for_kind(kind: str) -> int:
-    """HTTP status of an Error event's kind (``mlx_cairn.errors`` kinds)."""
-    return {"invalid_request": 400, "context_length": 400, "not_found": 404}.get(kind, 500)
-
-
 @dataclass(frozen=True)
 class Dialect:
     """How one API dialect plugs into the shared server."""
@@ -74,9 +69,6 @@ class Dialect:
     header_hint: str | None = None
     #: Use this dialect on shared paths when no header hint matches.
     shared_default: bool = False
-    #: HTTP status for a generation that failed with an Error event of this
-    #: kind before a JSON response was sent.
-    status_for_kind: Callable[[str], int] = default_status_for_kind
 
 
 class ApiError(CairnError):
@@ -92,9 +84,13 @@ class ApiError(CairnError):
         param: str | None = None,
     ) -> None:
         super().__init__(message, param=param)
-        self.status = status
+        self._status = status
         self.kind = kind
         self.headers = headers or {}
+
+    @property
+    def status(self) -> int:
+        return self._status
 
 
 class DialectSet:

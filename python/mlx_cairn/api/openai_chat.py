@@ -14,7 +14,7 @@ from mlx_cairn.api.dialects import Dialect
 from mlx_cairn.api.runner import GenerationResponse, start_generation
 from mlx_cairn.api.state import app_state, read_json
 from mlx_cairn.protocol.openai_chat import ChatCodec, parse_chat_request
-from mlx_cairn.protocol.openai_common import error_body, models_body, status_for_kind
+from mlx_cairn.protocol.openai_common import error_body, models_body
 
 DIALECT = Dialect(
     name="openai-chat",
@@ -22,7 +22,6 @@ DIALECT = Dialect(
     error_body=error_body,
     models_body=models_body,
     shared_default=True,
-    status_for_kind=status_for_kind,
 )
 
 router = APIRouter()

@@ -32,7 +32,7 @@ from starlette.responses import Response
 from mlx_cairn.api.dialects import Dialect
 from mlx_cairn.api.runner import GenerationResponse, start_generation
 from mlx_cairn.api.state import app_state, json_response, read_json
-from mlx_cairn.protocol.openai_common import error_body, models_body, status_for_kind
+from mlx_cairn.protocol.openai_common import error_body, models_body
 from mlx_cairn.protocol.openai_responses import (
     ResponseNotFound,
     parse_input,
@@ -51,7 +51,6 @@ DIALECT = Dialect(
     prefixes=("/v1/responses",),
     error_body=error_body,
     models_body=models_body,
-    status_for_kind=status_for_kind,
 )
 
 router = APIRouter()

@@ -41,7 +41,7 @@ from starlette.types import Receive, Scope, Send
 from mlx_cairn.api.dialects import Dialect, error_response
 from mlx_cairn.api.metrics import observe_event
 from mlx_cairn.api.registry import ServedModel
-from mlx_cairn.errors import ContextLengthExceeded
+from mlx_cairn.errors import ContextLengthExceeded, error_kind
 from mlx_cairn.protocol.base import Codec, WireEvent, encode
 from mlx_cairn.protocol.sse import comment, json_bytes
 from mlx_cairn.types import ChatRequest, Done, Error, Event
@@ -226,9 +226,7 @@ class GenerationResponse(Response):
             if ev is None:  # pragma: no cover - no timeout in JSON mode
                 continue
             if isinstance(ev, Error):
-                resp = error_response(
-                    self.dialect, self.dialect.status_for_kind(ev.kind), ev.kind, ev.message
-                )
+                resp = error_response(self.dialect, error_kind(ev.kind).status, ev.kind, ev.message)
                 await resp(scope, receive, send)
                 return
             wire += self.codec.feed(ev)

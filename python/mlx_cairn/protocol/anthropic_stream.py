@@ -32,43 +32,15 @@ from typing import Any
 
 import orjson
 
+from mlx_cairn.errors import error_kind
 from mlx_cairn.protocol.base import WireEvent, new_id, timings_body, tool_call_as_text
 from mlx_cairn.protocol.sse import frame
 from mlx_cairn.types import Admitted, Done, Error, Event, ReasoningDelta, TextDelta, ToolCall
-
-#: Error event kinds (mlx_cairn.errors ``kind``) -> (HTTP status, Anthropic error type).
-ERROR_TYPES: dict[str, tuple[int, str]] = {
-    "invalid_request": (400, "invalid_request_error"),
-    "context_length": (400, "invalid_request_error"),
-    "authentication": (401, "authentication_error"),
-    "permission": (403, "permission_error"),
-    "not_found": (404, "not_found_error"),
-    "too_large": (413, "request_too_large"),
-    "rate_limit": (429, "rate_limit_error"),
-    "overloaded": (529, "overloaded_error"),
-}
-#: HTTP status -> Anthropic error type (the documented pairs).
-STATUS_TYPES: dict[int, str] = {
-    400: "invalid_request_error",
-    401: "authentication_error",
-    403: "permission_error",
-    404: "not_found_error",
-    405: "invalid_request_error",
-    413: "request_too_large",
-    429: "rate_limit_error",
-    500: "api_error",
-    529: "overloaded_error",
-}
 
 
 def error_payload(etype: str, message: str) -> dict[str, Any]:
     """The Anthropic error envelope."""
     return {"type": "error", "error": {"type": etype, "message": message}}
-
-
-def status_type(status: int) -> str:
-    """Anthropic error type for an HTTP status."""
-    return STATUS_TYPES.get(status, "api_error" if status >= 500 else "invalid_request_error")
 
 
 class AnthropicCodec:
@@ -150,8 +122,7 @@ class AnthropicCodec:
             out.append(self._message_delta(ev))
             out.append(("message_stop", {"type": "message_stop"}))
         elif isinstance(ev, Error):
-            status_kind = ERROR_TYPES.get(ev.kind, (500, "api_error"))
-            out.append(("error", error_payload(status_kind[1], ev.message)))
+            out.append(("error", error_payload(error_kind(ev.kind).anthropic, ev.message)))
         return out
 
     def _text(self, text: str, out: list[WireEvent]) -> None:

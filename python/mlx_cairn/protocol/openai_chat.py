@@ -40,7 +40,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from mlx_cairn.errors import InvalidRequest
+from mlx_cairn.errors import InvalidRequest, error_kind
 from mlx_cairn.protocol.base import WireEvent, required_model, timings_body, tool_call_as_text
 from mlx_cairn.protocol.openai_common import (
     CallIds,
@@ -57,7 +57,6 @@ from mlx_cairn.protocol.openai_common import (
     opt_max_tokens,
     sampling_params,
     short,
-    status_for_kind,
     tool_choice,
 )
 from mlx_cairn.protocol.sse import comment
@@ -325,7 +324,7 @@ class ChatCodec:
                 out.append(self._chunk([], usage=self._usage(ev)))
             out.append((None, "[DONE]"))
         elif isinstance(ev, Error):
-            status = status_for_kind(ev.kind)
+            status = error_kind(ev.kind).status
             out.append((None, error_body(status, ev.kind, ev.message, None)))
         return out
 

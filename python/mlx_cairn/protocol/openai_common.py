@@ -10,15 +10,7 @@
 - a tool call the request did not allow comes back as text, nothing is lost
   (:func:`~mlx_cairn.protocol.base.tool_call_as_text`).
 
-Error types by status (``code`` refines a few)::
-
-    400 invalid_request_error   (code context_length_exceeded for the context check)
-    401 authentication_error    (code invalid_api_key)
-    403 permission_error
-    404 not_found_error
-    413 invalid_request_error   (code request_too_large)
-    429 rate_limit_error        (code rate_limit_exceeded)
-    5xx server_error
+Error types and codes come from the one table in :mod:`mlx_cairn.errors`.
 """
 
 from __future__ import annotations
@@ -27,6 +19,7 @@ from typing import Any
 
 import orjson
 
+from mlx_cairn.errors import error_kind
 from mlx_cairn.protocol.base import (
     MEDIA_PLACEHOLDER,
     fail,
@@ -44,33 +37,6 @@ from mlx_cairn.types import (
     Tool,
 )
 
-_STATUS_TYPES: dict[int, str] = {
-    400: "invalid_request_error",
-    401: "authentication_error",
-    403: "permission_error",
-    404: "not_found_error",
-    405: "invalid_request_error",
-    413: "invalid_request_error",
-    422: "invalid_request_error",
-    429: "rate_limit_error",
-}
-_KIND_CODES: dict[str, str] = {
-    "context_length": "context_length_exceeded",
-    "authentication": "invalid_api_key",
-    "too_large": "request_too_large",
-    "overloaded": "rate_limit_exceeded",
-    "rate_limit": "rate_limit_exceeded",
-}
-_KIND_STATUS: dict[str, int] = {
-    "invalid_request": 400,
-    "context_length": 400,
-    "authentication": 401,
-    "not_found": 404,
-    "too_large": 413,
-    "overloaded": 429,
-    "rate_limit": 429,
-}
-
 
 class CallIds:
     """``call_`` ids for one response: the engine's id when it is a fresh
@@ -87,26 +53,12 @@ class CallIds:
         return cid
 
 
-def error_type(status: int) -> str:
-    """The OpenAI error ``type`` for an HTTP status."""
-    return _STATUS_TYPES.get(status, "server_error" if status >= 500 else "invalid_request_error")
-
-
 def error_body(status: int, kind: str, message: str, param: str | None) -> dict[str, Any]:
     """The OpenAI error envelope (the ``error_body`` of both OpenAI dialects)."""
+    row = error_kind(kind)
     return {
-        "error": {
-            "message": message,
-            "type": error_type(status),
-            "param": param,
-            "code": _KIND_CODES.get(kind),
-        }
+        "error": {"message": message, "type": row.openai, "param": param, "code": row.openai_code}
     }
-
-
-def status_for_kind(kind: str) -> int:
-    """HTTP status of an Error event that arrives before a JSON body is sent."""
-    return _KIND_STATUS.get(kind, 500)
 
 
 def models_body(models: list[Any]) -> dict[str, Any]:

@@ -52,7 +52,6 @@ class ResponseNotFound(CairnError):
     """An unknown or expired ``previous_response_id`` (404)."""
 
     kind = "not_found"
-    status = 404
 
 
 #: previous_response_id -> that response's whole conversation (input + output).

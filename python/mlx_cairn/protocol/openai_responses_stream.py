@@ -32,14 +32,13 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from mlx_cairn.errors import error_kind
 from mlx_cairn.protocol.base import WireEvent, timings_body, tool_call_as_text
 from mlx_cairn.protocol.openai_common import (
     CallIds,
     TextGate,
-    error_type,
     json_object,
     new_id,
-    status_for_kind,
 )
 from mlx_cairn.protocol.sse import comment
 from mlx_cairn.types import Done, Error, Event, ReasoningDelta, TextDelta, ToolCall
@@ -125,7 +124,7 @@ class ResponsesCodec:
             self._finish(ev, out)
         elif isinstance(ev, Error):
             self._close(out, "incomplete")
-            code = error_type(status_for_kind(ev.kind))
+            code = error_kind(ev.kind).openai
             out.append(self._ev("error", code=code, message=ev.message, param=None))
             self.response["status"] = "failed"
             self.response["error"] = {"code": code, "message": ev.message}
