@@ -272,8 +272,9 @@ def test_stored_responses_and_404s(env: dict[str, Any]) -> None:
 def test_expired_and_evicted_responses_are_404(env: dict[str, Any]) -> None:
     app, c = env["app"], env["client"]
     now = [1000.0]
-    saved = getattr(app.state, "openai_responses", None)
-    app.state.openai_responses = ResponseStore(max_items=2, ttl_s=60, clock=lambda: now[0])
+    stores = app.state.cairn.dialect_state
+    saved = stores.get("openai_responses")
+    stores["openai_responses"] = ResponseStore(max_items=2, ttl_s=60, clock=lambda: now[0])
     try:
         a = c.responses.create(model="scripted", input=say("a"))
         now[0] += 59
@@ -288,9 +289,9 @@ def test_expired_and_evicted_responses_are_404(env: dict[str, Any]) -> None:
         with pytest.raises(openai.NotFoundError):  # the oldest of three went at max_items=2
             c.responses.retrieve(ids[0])
         assert c.responses.retrieve(ids[2]).id == ids[2]
-        assert len(app.state.openai_responses) == 2
+        assert len(stores["openai_responses"]) == 2
     finally:
-        app.state.openai_responses = saved
+        stores["openai_responses"] = saved
 
 
 # ---------------------------------------------------------------------- errors

@@ -9,10 +9,15 @@ from fastapi import APIRouter, Request
 from starlette.responses import Response
 
 from mlx_cairn.api.dialects import Dialect, ModelInfo
-from mlx_cairn.api.runner import GenerationResponse, count_prompt_tokens, start_generation
-from mlx_cairn.api.state import app_state, json_response, read_json
+from mlx_cairn.api.registry import ServedModel
+from mlx_cairn.api.runner import count_prompt_tokens, serve_generation
+from mlx_cairn.api.state import AppState, app_state, json_response, read_json
 from mlx_cairn.errors import error_kind
-from mlx_cairn.protocol.anthropic import parse_count_tokens_request, parse_messages_request
+from mlx_cairn.protocol.anthropic import (
+    AnthropicRequest,
+    parse_count_tokens_request,
+    parse_messages_request,
+)
 from mlx_cairn.protocol.anthropic_stream import AnthropicCodec, error_payload
 
 
@@ -53,29 +58,26 @@ DIALECT = Dialect(
 router = APIRouter()
 
 
-@router.post("/v1/messages")
-async def create_message(request: Request) -> Response:
-    """Anthropic Messages: SSE when ``stream`` is true, else one JSON Message."""
-    state = app_state(request)
-    areq = parse_messages_request(
-        await read_json(request), max_tokens_limit=state.config.max_tokens_limit
-    )
-    sm = await state.registry.get(areq.model)
-    gen = await start_generation(sm, areq.chat, clamp_max_tokens=state.config.clamp_max_tokens)
+def _parse(body: Any, state: AppState) -> AnthropicRequest:
+    return parse_messages_request(body, max_tokens_limit=state.config.max_tokens_limit)
+
+
+def _codec(
+    areq: AnthropicRequest, state: AppState, sm: ServedModel, input_tokens: int
+) -> AnthropicCodec:
     chat = areq.chat
-    codec = AnthropicCodec(
+    return AnthropicCodec(
         model=sm.name,
-        input_tokens=gen.input_tokens,
+        input_tokens=input_tokens,
         show_thinking=areq.show_thinking,
         allow_tools=bool(chat.tools) and chat.tool_choice != "none",
     )
-    return GenerationResponse(
-        gen,
-        codec,
-        stream=areq.stream,
-        dialect=DIALECT,
-        ping_interval=state.config.ping_interval,
-    )
+
+
+@router.post("/v1/messages")
+async def create_message(request: Request) -> Response:
+    """Anthropic Messages: SSE when ``stream`` is true, else one JSON Message."""
+    return await serve_generation(request, DIALECT, _parse, _codec)
 
 
 @router.post("/v1/messages/count_tokens")

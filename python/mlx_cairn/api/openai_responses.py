@@ -30,11 +30,13 @@ from fastapi import APIRouter, Request
 from starlette.responses import Response
 
 from mlx_cairn.api.dialects import Dialect
-from mlx_cairn.api.runner import GenerationResponse, start_generation
-from mlx_cairn.api.state import app_state, json_response, read_json
+from mlx_cairn.api.registry import ServedModel
+from mlx_cairn.api.runner import serve_generation
+from mlx_cairn.api.state import AppState, app_state, json_response
 from mlx_cairn.protocol.openai_common import error_body, models_body
 from mlx_cairn.protocol.openai_responses import (
     ResponseNotFound,
+    ResponsesRequest,
     parse_input,
     parse_responses_request,
 )
@@ -124,44 +126,51 @@ class ResponseStore:
             self._items.pop(rid, None)
 
 
-def response_store(request: Request) -> ResponseStore:
+def _store_of(state: AppState) -> ResponseStore:
     """The app's store, created on first use."""
-    store = getattr(request.app.state, "openai_responses", None)
+    store = state.dialect_state.get("openai_responses")
     if store is None:
-        store = request.app.state.openai_responses = ResponseStore()
+        store = state.dialect_state.setdefault("openai_responses", ResponseStore())
     return store  # type: ignore[no-any-return]
 
 
-@router.post("/v1/responses")
-async def create_response(request: Request) -> Response:
-    """Responses: SSE events when ``stream`` is true, else one JSON Response."""
-    state = app_state(request)
-    store = response_store(request)
-    req = parse_responses_request(
-        await read_json(request),
+def response_store(request: Request) -> ResponseStore:
+    """The store of the app serving ``request``."""
+    return _store_of(app_state(request))
+
+
+def _parse(body: Any, state: AppState) -> ResponsesRequest:
+    store = _store_of(state)
+    return parse_responses_request(
+        body,
         max_tokens_limit=state.config.max_tokens_limit,
         lookup=lambda rid: store.get(rid, "previous_response_id").messages,
     )
-    sm = await state.registry.get(req.model)
-    # Without max_output_tokens the answer may use all the room left.
-    clamp = state.config.clamp_max_tokens or req.open_ended
-    gen = await start_generation(sm, req.chat, clamp_max_tokens=clamp)
+
+
+def _codec(
+    req: ResponsesRequest, state: AppState, sm: ServedModel, input_tokens: int
+) -> ResponsesCodec:
+    store = _store_of(state)
     history = req.history
 
     def keep(body: dict[str, Any]) -> None:
         store.put(body["id"], history + parse_input(body["output"], "output"), body)
 
     chat = req.chat
-    codec = ResponsesCodec(
+    return ResponsesCodec(
         model=sm.name,
-        input_tokens=gen.input_tokens,
+        input_tokens=input_tokens,
         allow_tools=bool(chat.tools) and chat.tool_choice != "none",
         echo=req.echo,
         on_finish=keep if req.store else None,
     )
-    return GenerationResponse(
-        gen, codec, stream=req.stream, dialect=DIALECT, ping_interval=state.config.ping_interval
-    )
+
+
+@router.post("/v1/responses")
+async def create_response(request: Request) -> Response:
+    """Responses: SSE events when ``stream`` is true, else one JSON Response."""
+    return await serve_generation(request, DIALECT, _parse, _codec)
 
 
 @router.get("/v1/responses/{response_id}")

@@ -32,17 +32,20 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol, TypeVar
 
+from starlette.requests import Request
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
 from mlx_cairn.api.dialects import Dialect, error_response
 from mlx_cairn.api.metrics import observe_event
 from mlx_cairn.api.registry import ServedModel
+from mlx_cairn.api.state import AppState, app_state, read_json
 from mlx_cairn.errors import ContextLengthExceeded, error_kind
-from mlx_cairn.protocol.base import Codec, WireEvent, encode
+from mlx_cairn.protocol.base import Codec, WireEvent, check_depth, encode
 from mlx_cairn.protocol.sse import comment, json_bytes
 from mlx_cairn.types import ChatRequest, Done, Error, Event
 
@@ -62,17 +65,72 @@ class Generation:
     model: ServedModel
 
 
-async def start_generation(
+class DialectRequest(Protocol):
+    """What a dialect's request parser returns (the fields the route reads)."""
+
+    chat: ChatRequest
+    model: str
+    stream: bool
+    #: No max_tokens given: the answer may use all the room the prompt leaves.
+    open_ended: bool
+
+
+R = TypeVar("R", bound=DialectRequest)
+
+
+async def serve_generation(
+    request: Request,
+    dialect: Dialect,
+    parse: Callable[[Any, AppState], R],
+    make_codec: Callable[[R, AppState, ServedModel, int], Codec],
+) -> Response:
+    """The one route body of every generation dialect: parse -> prepare -> codec -> submit.
+
+    Everything that can fail on the request's content runs before
+    :meth:`Engine.submit`: body decoding and its nesting bound, the dialect's
+    validation, model lookup, template + tokenization + context checks, and
+    the codec with its opening frames (which copy the request's echoed
+    fields). After submit nothing can leave the generation behind: any
+    exception cancels it, and :class:`GenerationResponse` cancels it whenever
+    it stops early.
+    """
+    state = app_state(request)
+    body = await read_json(request)
+    check_depth(body)
+    req = parse(body, state)
+    sm = await state.registry.get(req.model)
+    clamp = state.config.clamp_max_tokens or req.open_ended
+    prepared = await prepare_generation(sm, req.chat, clamp_max_tokens=clamp)
+    n = int(prepared.num_prompt_tokens)
+    codec = make_codec(req, state, sm, n)
+    opening = codec.open()
+    stream = sm.engine.submit(prepared)  # QueueFull at once when the queue is full
+    try:
+        return GenerationResponse(
+            Generation(stream, n, sm),
+            codec,
+            stream=req.stream,
+            dialect=dialect,
+            ping_interval=state.config.ping_interval,
+            opening=opening,
+        )
+    except BaseException:
+        stream.cancel()
+        raise
+
+
+async def prepare_generation(
     sm: ServedModel, chat: ChatRequest, *, clamp_max_tokens: bool = False
-) -> Generation:
-    """Prepare and submit; typed errors (400 / 429) are raised before any response byte.
+) -> Any:
+    """Template, tokenize and check ``chat`` off the event loop (400s raised here).
 
     With ``clamp_max_tokens`` a request whose prompt fits but whose
     ``max_tokens`` does not is given the room that is left instead of a 400.
     """
-    engine = sm.engine
     try:
-        prepared = await asyncio.to_thread(engine.prepare, chat, clamp_max_tokens=clamp_max_tokens)
+        prepared = await asyncio.to_thread(
+            sm.engine.prepare, chat, clamp_max_tokens=clamp_max_tokens
+        )
     except ContextLengthExceeded as e:
         if clamp_max_tokens or e.max_tokens is None:
             raise
@@ -81,7 +139,15 @@ async def start_generation(
             "with --clamp-max-tokens to generate up to the context instead"
         ) from None
     chat.max_tokens = prepared.max_tokens  # the codecs echo the cap that was used
-    stream = engine.submit(prepared)  # QueueFull at once when the queue is full
+    return prepared
+
+
+async def start_generation(
+    sm: ServedModel, chat: ChatRequest, *, clamp_max_tokens: bool = False
+) -> Generation:
+    """Prepare and submit (for callers without a dialect route, e.g. tests and tools)."""
+    prepared = await prepare_generation(sm, chat, clamp_max_tokens=clamp_max_tokens)
+    stream = sm.engine.submit(prepared)
     return Generation(stream, int(prepared.num_prompt_tokens), sm)
 
 
@@ -109,6 +175,7 @@ class GenerationResponse(Response):
         stream: bool,
         dialect: Dialect,
         ping_interval: float = PING_INTERVAL,
+        opening: list[WireEvent] | None = None,
     ) -> None:
         # Response.__init__ is not called: this class writes its own messages.
         self.status_code = 200
@@ -118,6 +185,8 @@ class GenerationResponse(Response):
         self.stream = stream
         self.dialect = dialect
         self.ping_interval = ping_interval
+        #: ``codec.open()``, built before submit by :func:`serve_generation`.
+        self.opening = codec.open() if opening is None else opening
         self._events = gen.stream.__aiter__()
         self._pending: asyncio.Future[Event] | None = None
 
@@ -182,7 +251,7 @@ class GenerationResponse(Response):
                     }
                 )
 
-        await out(self.codec.open())
+        await out(self.opening)
         done: Done | None = None
         while True:
             ev = await self._next(watcher, self.ping_interval)
@@ -220,7 +289,7 @@ class GenerationResponse(Response):
     async def _run_json(
         self, scope: Scope, receive: Receive, send: Send, watcher: asyncio.Future[None]
     ) -> None:
-        wire = self.codec.open()
+        wire = list(self.opening)
         while True:
             ev = await self._next(watcher, None)
             if ev is None:  # pragma: no cover - no timeout in JSON mode

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import orjson
@@ -64,6 +64,8 @@ class AppState:
     registry: ModelRegistry
     config: ServerConfig
     dialects: DialectSet
+    #: State a dialect keeps for the app's lifetime (e.g. stored Responses), by name.
+    dialect_state: dict[str, Any] = field(default_factory=dict)
 
 
 def app_state(request: Request) -> AppState:

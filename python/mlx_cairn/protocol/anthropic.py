@@ -63,6 +63,8 @@ class AnthropicRequest:
     show_thinking: bool = False
     #: A Claude Code session-title request (small cap, reasoning off).
     is_title: bool = False
+    #: Always False: ``max_tokens`` is required in this dialect.
+    open_ended: bool = False
 
 
 def parse_messages_request(body: Any, *, max_tokens_limit: int) -> AnthropicRequest:

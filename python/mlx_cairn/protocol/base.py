@@ -120,3 +120,30 @@ def required_model(body: dict[str, Any]) -> str:
     if not isinstance(model, str) or not model:
         raise fail("model", "must be a non-empty string")
     return model
+
+
+#: Deepest nesting of objects and lists a request body may have. Tool schemas
+#: rarely pass 10; the bound keeps every later walk of the body (validation,
+#: copies of echoed fields, JSON encoding) far from recursion limits.
+MAX_JSON_DEPTH = 64
+
+
+def check_depth(body: Any, limit: int = MAX_JSON_DEPTH) -> None:
+    """Refuse (400) a decoded JSON body nested more than ``limit`` levels deep.
+
+    Iterative, so the check itself cannot hit the recursion limit.
+    """
+    stack: list[tuple[Any, int]] = [(body, 1)]
+    while stack:
+        value, depth = stack.pop()
+        if isinstance(value, dict):
+            children: Any = value.values()
+        elif isinstance(value, list):
+            children = value
+        else:
+            continue
+        if depth > limit:
+            raise InvalidRequest(
+                f"request body is nested more than {limit} levels deep", param=None
+            )
+        stack.extend((c, depth + 1) for c in children if isinstance(c, (dict, list)))
