@@ -24,6 +24,13 @@ Role = Literal["system", "user", "assistant", "tool"]
 #: enforces them; every dialect checks them first to name its own field.
 MAX_STOP_SEQUENCES = 64
 MAX_STOP_SEQUENCE_CHARS = 1024
+#: Numeric limits of the sampling settings, read by the engine and every dialect:
+#: ``top_k`` is an int32 in the sampler; seeds are 64-bit; a temperature below
+#: ``GREEDY_BELOW_TEMPERATURE`` samples greedily (dividing logits by a smaller
+#: one only overflows the softmax: 1e-38 used to give empty output).
+MAX_TOP_K = 2**31 - 1
+MIN_SEED, MAX_SEED = -(2**63), 2**64 - 1
+GREEDY_BELOW_TEMPERATURE = 1e-5
 StopReason = Literal["end_turn", "max_tokens", "stop_sequence", "tool_use"]
 
 

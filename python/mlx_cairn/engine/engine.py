@@ -35,8 +35,8 @@ from mlx_cairn.engine import prepare as _prep
 from mlx_cairn.engine.output import SequenceOutput
 from mlx_cairn.engine.paged import KVPools, pool_blocks
 from mlx_cairn.engine.reasoning import ReasoningBudget
-from mlx_cairn.engine.runner import InFlight, ModelRunner
-from mlx_cairn.engine.scheduler import Scheduler
+from mlx_cairn.engine.runner import InFlight, ModelRunner, merge_inflight
+from mlx_cairn.engine.scheduler import Scheduler, StepPlan
 from mlx_cairn.engine.sequence import PreparedRequest, Sequence
 from mlx_cairn.engine.stream import RequestStream
 from mlx_cairn.errors import EngineError, QueueFull
@@ -131,6 +131,10 @@ class Engine:
         #: Test hook: called on the engine thread before each step's forward pass;
         #: an exception fails that step's requests only.
         self._fault_hook: Callable[[], None] | None = None
+        #: Test hook for faults tied to one request: called with (phase, sequence)
+        #: at each phase ("schedule", "launch", "finalize", "update"); an
+        #: exception fails that request only and the rest of the step goes on.
+        self._row_fault_hook: Callable[[str, Sequence], None] | None = None
 
         self._lock = threading.Condition()
         self._inbox: list[Sequence] = []
@@ -298,7 +302,9 @@ class Engine:
     def _step(self) -> None:
         """Launch the next step, then finalize the previous one (see runner.py)."""
         sched = self._scheduler
-        plan = sched.schedule()
+        plan = sched.schedule(self._row_check("schedule"))
+        for seq, err in plan.failed:
+            self._fail_row(seq, "scheduled", err)
         launched: InFlight | None = None
         if plan:
             now = time.perf_counter()
@@ -311,13 +317,13 @@ class Engine:
             try:
                 if self._fault_hook is not None:
                     self._fault_hook()
-                launched = self._runner.launch(plan)
             except Exception as e:
                 log.warning("step failed for %d request(s): %s", len(plan.sequences()), e)
                 for seq in plan.sequences():
                     self._counters["failed"] += 1
                     self._end(seq, Error("internal", f"generation failed: {e}"))
-                self._recover_pools()
+            else:
+                launched = self._launch_isolated(plan)
         elif self._inflight is None and sched.waiting and not sched.running:
             # Cannot happen with the capacity check in prepare(); never spin on it.
             seq = sched.waiting[0]
@@ -326,10 +332,85 @@ class Engine:
         if previous is not None:
             self._finalize(previous)
 
+    # -------------------------------------------------- faults, one row at a time
+
+    def _row_check(self, phase: str) -> Callable[[Sequence], None] | None:
+        hook = self._row_fault_hook
+        if hook is None:
+            return None
+        return lambda seq: hook(phase, seq)
+
+    def _fail_row(self, seq: Sequence, phase: str, err: BaseException) -> None:
+        """End one request whose settings or state failed it; the others go on."""
+        if self._seqs.get(seq.request_id) is not seq:
+            return
+        log.warning("request %d failed while %s: %s", seq.request_id, phase, err)
+        self._counters["failed"] += 1
+        self._end(seq, Error("internal", f"generation failed: {err}"))
+
+    def _launch(self, plan: StepPlan) -> InFlight:
+        check = self._row_check("launch")
+        if check is not None:
+            for seq in plan.sequences():
+                check(seq)
+        return self._runner.launch(plan)
+
+    def _launch_isolated(self, plan: StepPlan) -> InFlight | None:
+        """Launch ``plan``; if that fails, find the rows that fail it and launch the rest.
+
+        A failed launch commits no bookkeeping (runner.launch changes sequence
+        state only once nothing can fail), so each row is retried alone; the
+        rows that fail alone are ended, the others were launched and their
+        steps are merged into one in-flight step. Writes a failed launch left
+        in the pools only touch its own rows' slots, and the retries rewrite them.
+        """
+        try:
+            return self._launch(plan)
+        except Exception as e:
+            first = e
+        self._recover_pools()
+        rows = plan.sequences()
+        if len(rows) == 1:
+            self._fail_row(rows[0], "launched", first)
+            return None
+        parts: list[InFlight] = []
+        for seq in rows:
+            try:
+                parts.append(self._launch(plan.only(seq)))
+            except Exception as e:
+                self._recover_pools()
+                self._fail_row(seq, "launched", e)
+        return merge_inflight(parts)
+
+    def _read_back(self, step: InFlight) -> list[tuple[Sequence, int | BaseException]]:
+        """(sequence, token) per sampling row; a row whose read fails gets its exception."""
+        check = self._row_check("finalize")
+        try:
+            if check is not None:
+                for seq in step.rows:
+                    check(seq)
+            return list(self._runner.finalize(step))
+        except Exception as e:
+            if step.sampled is None:
+                raise
+            first = e
+        log.warning("reading a step back failed (%s); reading its rows one by one", first)
+        out: list[tuple[Sequence, int | BaseException]] = []
+        for i, seq in enumerate(step.rows):
+            try:
+                if check is not None:
+                    check(seq)
+                out.append((seq, int(step.sampled[i].item())))
+            except Exception as e:
+                out.append((seq, e))
+        return out
+
+    # ------------------------------------------------------------ applying a step
+
     def _finalize(self, step: InFlight) -> None:
         """Read a launched step's tokens back and turn them into Events."""
         try:
-            results = self._runner.finalize(step)
+            results = self._read_back(step)
         except Exception as e:  # the device computation itself failed
             log.exception("a launched step failed")
             for seq in step.plan.sequences():
@@ -340,18 +421,30 @@ class Engine:
             self._recover_pools()
             return
         now = time.perf_counter()
+        check = self._row_check("update")
         for seq, token in results:
             if self._seqs.get(seq.request_id) is not seq:
                 continue  # ended (cancelled, failed, finished) while in flight
-            seq.inflight.popleft()
-            if seq.forced is not None:
-                # Sampled after the reasoning budget ran out: replaced by the forced ids.
-                if not seq.inflight:
-                    self._apply_forced(seq, now)
+            if isinstance(token, BaseException):
+                self._fail_row(seq, "read back", token)
                 continue
-            seq.tokens.append(token)
-            self._scheduler.register(seq)
-            self._on_token(seq, token, now)
+            try:
+                if check is not None:
+                    check(seq)
+                self._apply_token(seq, token, now)
+            except Exception as e:  # one row's text side or bookkeeping: that row only
+                self._fail_row(seq, "updated", e)
+
+    def _apply_token(self, seq: Sequence, token: int, now: float) -> None:
+        seq.inflight.popleft()
+        if seq.forced is not None:
+            # Sampled after the reasoning budget ran out: replaced by the forced ids.
+            if not seq.inflight:
+                self._apply_forced(seq, now)
+            return
+        seq.tokens.append(token)
+        self._scheduler.register(seq)
+        self._on_token(seq, token, now)
 
     def _apply_forced(self, seq: Sequence, now: float) -> None:
         """Append the forced ids (the close of reasoning) as if they had been sampled.

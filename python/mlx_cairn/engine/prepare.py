@@ -10,8 +10,11 @@ from typing import Any
 from mlx_cairn.engine.sequence import PreparedRequest
 from mlx_cairn.errors import ContextLengthExceeded, InvalidRequest
 from mlx_cairn.types import (
+    MAX_SEED,
     MAX_STOP_SEQUENCE_CHARS,
     MAX_STOP_SEQUENCES,
+    MAX_TOP_K,
+    MIN_SEED,
     ChatRequest,
     SamplingParams,
 )
@@ -27,15 +30,15 @@ def validate_sampling(s: SamplingParams) -> SamplingParams:
         raise bad("temperature", f"temperature must be a finite number >= 0, got {s.temperature!r}")
     if not _finite(s.top_p) or not 0 < s.top_p <= 1:
         raise bad("top_p", f"top_p must be in (0, 1], got {s.top_p!r}")
-    if not isinstance(s.top_k, int) or isinstance(s.top_k, bool) or s.top_k < 0:
-        raise bad("top_k", f"top_k must be an integer >= 0, got {s.top_k!r}")
+    if not isinstance(s.top_k, int) or isinstance(s.top_k, bool) or not 0 <= s.top_k <= MAX_TOP_K:
+        raise bad("top_k", f"top_k must be an integer in [0, {MAX_TOP_K}], got {s.top_k!r}")
     if not _finite(s.min_p) or not 0 <= s.min_p <= 1:
         raise bad("min_p", f"min_p must be in [0, 1], got {s.min_p!r}")
     seed = s.seed
     if seed is None:
         seed = secrets.randbits(63)
-    elif not isinstance(seed, int) or isinstance(seed, bool):
-        raise bad("seed", f"seed must be an integer, got {seed!r}")
+    elif not isinstance(seed, int) or isinstance(seed, bool) or not MIN_SEED <= seed <= MAX_SEED:
+        raise bad("seed", f"seed must be a 64-bit integer, got {seed!r}")
     return replace(s, seed=seed)
 
 

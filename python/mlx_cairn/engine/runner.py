@@ -116,6 +116,24 @@ class ModelRunner:
         return list(zip(step.rows, values, strict=True))
 
 
+def merge_inflight(parts: list[InFlight]) -> InFlight | None:
+    """One in-flight step from several launched separately (rows in order)."""
+    if not parts:
+        return None
+    if len(parts) == 1:
+        return parts[0]
+    plan = StepPlan(
+        decode=[s for p in parts for s in p.plan.decode],
+        prefill=[c for p in parts for c in p.plan.prefill],
+    )
+    sampled = [p.sampled for p in parts if p.sampled is not None]
+    return InFlight(
+        plan,
+        [s for p in parts for s in p.rows],
+        mx.concatenate(sampled) if sampled else None,
+    )
+
+
 def _prefill_groups(chunks: list[tuple[Sequence, int]]) -> list[list[tuple[Sequence, int]]]:
     """Batch prefill chunks into forward calls, padding each to its longest chunk.
 

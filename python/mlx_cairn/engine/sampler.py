@@ -13,7 +13,7 @@ Example::
 
 Filters apply in the usual order: temperature, top_k, top_p (over the
 top_k-renormalised mass), min_p (relative to the most likely token).
-``temperature == 0`` is greedy (argmax).
+A temperature below ``GREEDY_BELOW_TEMPERATURE`` (0 included) is greedy (argmax).
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from collections.abc import Sequence
 import mlx.core as mx
 import numpy as np
 
-from mlx_cairn.types import SamplingParams
+from mlx_cairn.types import GREEDY_BELOW_TEMPERATURE, SamplingParams
 
 _SEED_MASK = (1 << 63) - 1
 
@@ -51,7 +51,7 @@ class RowSampler:
 
     @property
     def greedy(self) -> bool:
-        return self.params.temperature <= 0.0
+        return self.params.temperature < GREEDY_BELOW_TEMPERATURE
 
     def next_uniform(self) -> float:
         u = row_uniform(self.seed, self.step)
@@ -70,7 +70,7 @@ def sample_tokens(
     """Stateless batched sampling: ``logits`` [B, V] and per-row parameter vectors [B] -> [B] int32."""
     _B, V = logits.shape
     logits = logits.astype(mx.float32)
-    greedy_rows = temperature <= 0.0
+    greedy_rows = temperature < GREEDY_BELOW_TEMPERATURE
     greedy = mx.argmax(logits, axis=-1).astype(mx.int32)
     if bool(np.all(greedy_rows)):
         return greedy

@@ -24,6 +24,7 @@ token once instead of re-hashing its whole prefix whenever a block fills.
 from __future__ import annotations
 
 import bisect
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -38,9 +39,18 @@ class StepPlan:
     decode: list[Sequence] = field(default_factory=list)
     #: (sequence, number of tokens) prefill chunks.
     prefill: list[tuple[Sequence, int]] = field(default_factory=list)
+    #: Sequences whose planning raised (already removed, blocks freed), with why.
+    failed: list[tuple[Sequence, BaseException]] = field(default_factory=list)
 
     def sequences(self) -> list[Sequence]:
         return [*self.decode, *(s for s, _ in self.prefill)]
+
+    def only(self, seq: Sequence) -> StepPlan:
+        """The part of this plan that runs ``seq``."""
+        return StepPlan(
+            decode=[s for s in self.decode if s is seq],
+            prefill=[(s, n) for s, n in self.prefill if s is seq],
+        )
 
     def __bool__(self) -> bool:
         return bool(self.decode or self.prefill)
@@ -94,33 +104,53 @@ class Scheduler:
 
     # -------------------------------------------------------------- planning
 
-    def schedule(self) -> StepPlan:
-        """Plan one step (see the module docstring)."""
+    def schedule(self, check: Callable[[Sequence], None] | None = None) -> StepPlan:
+        """Plan one step (see the module docstring).
+
+        A sequence whose planning raises (``check`` is a test hook called first
+        for each) is dropped, its blocks freed, and listed in ``plan.failed``;
+        the others are planned as if it had not been there.
+        """
         plan = StepPlan()
         for seq in list(self.running):
-            if (
-                seq in self.running
-                and seq.num_pending == 1
-                and seq.wants_more
-                and seq.forced is None
-                and self._grow(seq, 1, plan)
-            ):
-                plan.decode.append(seq)
+            if seq not in self.running:
+                continue
+            try:
+                if check is not None:
+                    check(seq)
+                if (
+                    seq.num_pending == 1
+                    and seq.wants_more
+                    and seq.forced is None
+                    and self._grow(seq, 1, plan)
+                ):
+                    plan.decode.append(seq)
+            except Exception as e:
+                self._drop(seq, e, plan)
         budget = self.step_token_budget - len(plan.decode)
         for seq in list(self.running):
             if budget <= 0:
                 break
             if seq not in self.running or seq.num_pending <= 1 or _in_plan(plan, seq):
                 continue
-            n = min(seq.num_pending, budget)
-            if self._grow(seq, n, plan):
-                plan.prefill.append((seq, n))
-                budget -= n
+            try:
+                n = min(seq.num_pending, budget)
+                if self._grow(seq, n, plan):
+                    plan.prefill.append((seq, n))
+                    budget -= n
+            except Exception as e:
+                self._drop(seq, e, plan)
         while budget > 0 and self.waiting and len(self.running) < self.max_batch:
             seq = self.waiting[0]
             if seq.inflight:  # preempted with a token in flight: recompute once it is known
                 break
-            n = self._admit(seq, budget)
+            try:
+                if check is not None:
+                    check(seq)
+                n = self._admit(seq, budget)
+            except Exception as e:
+                self._drop(seq, e, plan)
+                continue
             if n == 0:
                 break
             if seq.num_pending == 1 and n == 1:
@@ -130,6 +160,14 @@ class Scheduler:
             budget -= n
         return plan
 
+    def _drop(self, seq: Sequence, err: BaseException, plan: StepPlan) -> None:
+        """Take a sequence whose planning failed out of the plan and the queues."""
+        if seq in plan.decode:
+            plan.decode.remove(seq)
+        plan.prefill = [(s, n) for s, n in plan.prefill if s is not seq]
+        self.remove(seq)
+        plan.failed.append((seq, err))
+
     def _admit(self, seq: Sequence, budget: int) -> int:
         """Admit the queue head: prefix lookup + blocks for its first chunk. 0 if it cannot."""
         # The kept chain covers the registered blocks (none at first admission);
@@ -137,10 +175,15 @@ class Scheduler:
         head = self._hashes(seq, 0)
         rest = seq.tokens[len(head) * self.block_size :]
         hit = list(self.cache.lookup(self.cache.hash_blocks(rest, prefix=head)))
-        computed = len(hit) * self.block_size
-        n = min(len(seq.tokens) - computed, budget)
-        need = self.blocks_needed(computed + n) - len(hit)
-        new = self.pool.allocate(need) if need > 0 else []
+        try:  # the lookup took references: give them back if anything below fails
+            computed = len(hit) * self.block_size
+            n = min(len(seq.tokens) - computed, budget)
+            need = self.blocks_needed(computed + n) - len(hit)
+            new = self.pool.allocate(need) if need > 0 else []
+        except BaseException:
+            if hit:
+                self.pool.free(hit)
+            raise
         if new is None:
             if hit:
                 self.pool.free(hit)

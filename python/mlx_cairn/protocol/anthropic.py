@@ -39,6 +39,7 @@ from mlx_cairn.protocol.base import (
 from mlx_cairn.types import (
     MAX_STOP_SEQUENCE_CHARS,
     MAX_STOP_SEQUENCES,
+    MAX_TOP_K,
     ChatRequest,
     Message,
     SamplingParams,
@@ -469,8 +470,8 @@ def _map_sampling(body: dict[str, Any]) -> SamplingParams:
         sp.top_p = float(p)
     k = body.get("top_k")
     if k is not None:
-        if not is_int(k) or k < 0:
-            raise fail("top_k", "must be a non-negative integer")
+        if not is_int(k) or not 0 <= k <= MAX_TOP_K:
+            raise fail("top_k", f"must be an integer between 0 and {MAX_TOP_K}")
         sp.top_k = k
     return sp
 

@@ -61,6 +61,8 @@ from mlx_cairn.protocol.openai_common import (
 )
 from mlx_cairn.protocol.sse import comment
 from mlx_cairn.types import (
+    MAX_SEED,
+    MIN_SEED,
     ChatRequest,
     Done,
     Error,
@@ -107,8 +109,8 @@ def parse_chat_request(body: Any, *, max_tokens_limit: int) -> OpenAIChatRequest
     sampling = sampling_params(body)
     seed = body.get("seed")
     if seed is not None:
-        if not is_int(seed):
-            raise fail("seed", "must be an integer")
+        if not is_int(seed) or not MIN_SEED <= seed <= MAX_SEED:
+            raise fail("seed", "must be a 64-bit integer")
         sampling.seed = int(seed)
 
     tools = _map_tools(body.get("tools"))

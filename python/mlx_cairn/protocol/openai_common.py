@@ -138,6 +138,30 @@ def stop_list(raw: Any, param: str = "stop") -> list[str]:
     return list(items)
 
 
+#: ``metadata`` bounds, as the OpenAI API documents them: it is stored and echoed.
+METADATA_MAX_PAIRS = 16
+METADATA_MAX_KEY_CHARS = 64
+METADATA_MAX_VALUE_CHARS = 512
+
+
+def metadata_map(raw: Any, param: str = "metadata") -> dict[str, str] | None:
+    """``metadata``: at most 16 string pairs, keys up to 64 and values up to 512 characters."""
+    if raw is None:
+        return None
+    if not isinstance(raw, dict):
+        raise fail(param, "must be an object")
+    if len(raw) > METADATA_MAX_PAIRS:
+        raise fail(param, f"at most {METADATA_MAX_PAIRS} key-value pairs")
+    for k, v in raw.items():
+        if len(k) > METADATA_MAX_KEY_CHARS:
+            raise fail(param, f"keys are at most {METADATA_MAX_KEY_CHARS} characters")
+        if not isinstance(v, str):
+            raise fail(f"{param}.{short(k)}", "must be a string")
+        if len(v) > METADATA_MAX_VALUE_CHARS:
+            raise fail(f"{param}.{short(k)}", f"at most {METADATA_MAX_VALUE_CHARS} characters")
+    return dict(raw)
+
+
 def cache_salt(body: dict[str, Any]) -> str | None:
     """``cache_salt`` (as in vLLM): requests with different salts share no cached prefix."""
     v = body.get("cache_salt")

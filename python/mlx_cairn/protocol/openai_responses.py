@@ -36,6 +36,7 @@ from mlx_cairn.protocol.openai_common import (
     fail,
     function_tool,
     json_object,
+    metadata_map,
     opt_bool,
     opt_max_tokens,
     sampling_params,
@@ -108,9 +109,7 @@ def parse_responses_request(
     if reasoning_cfg is not None and not isinstance(reasoning_cfg, dict):
         raise fail("reasoning", "must be an object")
     effort = (reasoning_cfg or {}).get("effort")
-    metadata = body.get("metadata")
-    if metadata is not None and not isinstance(metadata, dict):
-        raise fail("metadata", "must be an object")
+    metadata = metadata_map(body.get("metadata"))
     store = opt_bool(body, "store", True)
 
     chat = chat_request(

@@ -1,0 +1,84 @@
+"""A fault tied to one request fails that request only, at every engine phase."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from mlx_cairn.engine import Engine
+from mlx_cairn.engine.testing import assert_at_rest
+from mlx_cairn.types import ChatRequest, Done, Error, Message, SamplingParams, TextDelta
+from scripted_model import say, scripted_model
+
+TIMEOUT = 60.0
+PHASES = ["schedule", "launch", "finalize", "update"]
+
+
+def req(text: str) -> ChatRequest:
+    return ChatRequest(
+        messages=[Message("user", say(text))],
+        max_tokens=64,
+        sampling=SamplingParams(temperature=0.0),
+    )
+
+
+def text_of(events: list[Any]) -> str:
+    return "".join(e.text for e in events if isinstance(e, TextDelta))
+
+
+@pytest.mark.parametrize("phase", PHASES)
+@pytest.mark.parametrize("after", [0, 3], ids=["first-step", "mid-decode"])
+def test_a_fault_tied_to_one_row_fails_that_row_only(phase: str, after: int) -> None:
+    engine = Engine(scripted_model(), num_blocks=256, block_size=8)
+    seen: dict[int, int] = {}
+
+    def hook(at: str, seq: Any) -> None:
+        if at == phase and seq.request_id == victim_id:
+            seen[at] = seen.get(at, 0) + 1
+            if seen[at] > after:
+                raise RuntimeError(f"injected {phase} fault")
+
+    try:
+        texts = ["alpha beta gamma delta", "the victim row", "one two three four five"]
+        with engine._lock:  # all three land in the same step
+            streams = [engine.submit(req(t)) for t in texts]
+        victim_id = streams[1].request_id
+        engine._row_fault_hook = hook
+        results = [list(s.iter_sync(TIMEOUT)) for s in streams]
+        victim = results.pop(1)
+        assert isinstance(victim[-1], Error) and f"injected {phase} fault" in victim[-1].message
+        for events, text in zip(results, [texts[0], texts[2]], strict=True):
+            assert isinstance(events[-1], Done), events[-1]
+            assert text_of(events) == text
+        assert engine.stats()["requests_failed"] == 1
+        engine._row_fault_hook = None
+        again = list(engine.generate_sync(req("still serving"), timeout=TIMEOUT))
+        assert isinstance(again[-1], Done) and text_of(again) == "still serving"
+        assert_at_rest(engine)
+    finally:
+        engine.close()
+
+
+def test_a_failing_launch_is_retried_row_by_row() -> None:
+    """The runner itself raising for a batch: rows that run alone go on."""
+    engine = Engine(scripted_model(), num_blocks=256, block_size=8)
+    runner = engine._runner
+    real = runner.launch
+
+    def launch(plan: Any) -> Any:
+        if any(s.request_id == victim_id for s in plan.sequences()):
+            raise ValueError("Python integer out of bounds for int32")
+        return real(plan)
+
+    try:
+        with engine._lock:
+            streams = [engine.submit(req(t)) for t in ("first", "victim", "third")]
+        victim_id = streams[1].request_id
+        runner.launch = launch  # type: ignore[method-assign]
+        results = [list(s.iter_sync(TIMEOUT)) for s in streams]
+        assert isinstance(results[1][-1], Error)
+        assert [text_of(results[0]), text_of(results[2])] == ["first", "third"]
+        assert_at_rest(engine)
+    finally:
+        engine.close()
