@@ -54,6 +54,9 @@ log = logging.getLogger("mlx_cairn.api")
 #: Default seconds of silence before a keep-alive frame.
 PING_INTERVAL = 3.0
 TRAILERS_EXT = "http.response.trailers"
+#: Wire events above which a JSON answer is folded in a worker thread, so a
+#: long answer never holds the event loop (other streams, /health).
+FOLD_OFF_LOOP_EVENTS = 512
 
 
 @dataclass(slots=True)
@@ -301,7 +304,10 @@ class GenerationResponse(Response):
             wire += self.codec.feed(ev)
             if isinstance(ev, Done):
                 break
-        body = json_bytes(self.codec.fold(wire))
+        if len(wire) > FOLD_OFF_LOOP_EVENTS:  # a long answer: fold and encode it off the loop
+            body = await asyncio.to_thread(_fold_bytes, self.codec, wire)
+        else:
+            body = _fold_bytes(self.codec, wire)
         cached = ev.usage.cached_tokens
         headers = [
             (b"content-type", b"application/json"),
@@ -311,6 +317,10 @@ class GenerationResponse(Response):
         ]
         await send({"type": "http.response.start", "status": 200, "headers": headers})
         await send({"type": "http.response.body", "body": body, "more_body": False})
+
+
+def _fold_bytes(codec: Codec, wire: list[WireEvent]) -> bytes:
+    return json_bytes(codec.fold(wire))
 
 
 async def _anext(it: Any) -> Event:
