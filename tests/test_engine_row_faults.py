@@ -82,3 +82,40 @@ def test_a_failing_launch_is_retried_row_by_row() -> None:
         assert_at_rest(engine)
     finally:
         engine.close()
+
+
+def test_a_failed_read_back_never_leaves_a_request_stuck() -> None:
+    """The read-back of a step fails whole (a device failure) just after the next
+    step admitted a second request: the second request's first token, still in
+    flight, is lost with it. Every request still ends, and the engine goes on."""
+    engine = Engine(scripted_model(), num_blocks=256, block_size=8)
+    runner = engine._runner
+    real = runner.finalize
+    ids: dict[str, int] = {}
+
+    def finalize(step: Any) -> Any:
+        second = engine._seqs.get(ids.get("second", -1))
+        rows = {s.request_id for s in step.rows}
+        if second is not None and second.t_admit > 0 and ids["first"] in rows - {second.request_id}:
+            ids["second"] = -1  # once
+            step.sampled = None  # nothing can be read back, not even row by row
+            raise RuntimeError("device lost the step")
+        return real(step)
+
+    try:
+        runner.finalize = finalize  # type: ignore[method-assign]
+        first = engine.submit(req("word " * 60))
+        ids["first"] = first.request_id
+        while engine.stats()["generated_tokens"] < 3:
+            pass
+        second = engine.submit(req("second request"))
+        ids["second"] = second.request_id
+        assert isinstance(list(first.iter_sync(TIMEOUT))[-1], Error)
+        last = list(second.iter_sync(TIMEOUT))[-1]
+        assert isinstance(last, Done), last
+        assert ids["second"] == -1  # the fault did fire
+        after = list(engine.generate_sync(req("after the fault"), timeout=TIMEOUT))
+        assert text_of(after) == "after the fault"
+        assert_at_rest(engine)
+    finally:
+        engine.close()

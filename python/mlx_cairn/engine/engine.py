@@ -324,10 +324,8 @@ class Engine:
                     self._end(seq, Error("internal", f"generation failed: {e}"))
             else:
                 launched = self._launch_isolated(plan)
-        elif self._inflight is None and sched.waiting and not sched.running:
-            # Cannot happen with the capacity check in prepare(); never spin on it.
-            seq = sched.waiting[0]
-            self._end(seq, Error("internal", "the request does not fit in the KV cache"))
+        elif self._inflight is None:
+            self._unstick()
         previous, self._inflight = self._inflight, launched
         if previous is not None:
             self._finalize(previous)
@@ -461,6 +459,20 @@ class Engine:
                 return
         self._scheduler.register(seq)
 
+    def _unstick(self) -> None:
+        """Nothing could run and nothing is in flight: end what can never progress.
+
+        With the capacity check in prepare() and the rules above none of this
+        should happen; if it does, the loop must not spin on it.
+        """
+        sched = self._scheduler
+        for seq in list(sched.running):
+            if seq.num_pending == 0 and seq.forced is None:
+                self._fail_row(seq, "stuck", RuntimeError("the request has nothing left to run"))
+        if sched.waiting and not sched.running:
+            seq = sched.waiting[0]
+            self._end(seq, Error("internal", "the request does not fit in the KV cache"))
+
     def _drain_inflight(self) -> None:
         """Wait for (and drop) a launched step."""
         step, self._inflight = self._inflight, None
@@ -469,7 +481,12 @@ class Engine:
                 self._runner.finalize(step)
             now = time.perf_counter()
             for seq in step.rows:
-                seq.inflight.clear()
+                if seq.inflight:
+                    # Its sampled token is lost: the last known token is fed again
+                    # (its KV row is rewritten, identically), or the sequence would
+                    # have nothing pending and never finish.
+                    seq.inflight.clear()
+                    seq.num_computed = min(seq.num_computed, len(seq.tokens) - 1)
                 if seq.forced is not None and self._seqs.get(seq.request_id) is seq:
                     self._apply_forced(seq, now)  # or it would never be scheduled again
 
