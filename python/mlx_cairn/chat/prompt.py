@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from mlx_cairn.chat.data import DataMarks, encode_rendered
 from mlx_cairn.chat.detect import ReasoningInfo, starts_in_reasoning
 from mlx_cairn.chat.template import ChatTemplate
 from mlx_cairn.chat.tokenizer import Tokenizer
@@ -46,14 +47,30 @@ def build_prompt(
     """Render ``req`` through the chat template and tokenize it (HF semantics).
 
     Tools are passed unless ``tool_choice == "none"``. BOS is prepended only
-    when the tokenizer asks for it and the template did not write it.
+    when the tokenizer asks for it and the template did not write it. Only
+    the template's own markup becomes special tokens: special-token text in
+    the request's strings is tokenized as plain text (chat/data.py).
     """
     tools = req.tools if req.tools and req.tool_choice != "none" else None
-    text = template.render(
-        req.messages, tools, add_generation_prompt=True, **template_kwargs(req, reasoning)
+    marks = DataMarks(tokenizer.special_tokens)
+    marked = template.render_marked(
+        req.messages,
+        tools,
+        marks,
+        add_generation_prompt=True,
+        kwargs=template_kwargs(req, reasoning),
     )
-    ids = tokenizer.encode(text)
+    ids, markup = encode_rendered(tokenizer, marked, marks)
     bos = tokenizer.bos_token_id
     if tokenizer.add_bos and bos is not None and (not ids or ids[0] != bos):
         ids.insert(0, bos)
-    return Prompt(text=text, ids=ids, in_reasoning=starts_in_reasoning(text, reasoning))
+    # Look for an open reasoning block only after the template's last special
+    # token (reasoning tags aside): a "<think>" in the request's text must
+    # not make the answer start as reasoning.
+    tags = (reasoning.open_tag, reasoning.close_tag)
+    tail = max((end for _, end, tid in markup if tokenizer.id_to_token(tid) not in tags), default=0)
+    return Prompt(
+        text=marks.restore(marked),
+        ids=ids,
+        in_reasoning=starts_in_reasoning(marked[tail:], reasoning),
+    )

@@ -23,6 +23,7 @@ import jinja2.ext
 import jinja2.nodes
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
+from mlx_cairn.chat.data import DataMarks, unescape_markers
 from mlx_cairn.errors import InvalidRequest, ModelLoadError
 from mlx_cairn.types import Message, Tool
 
@@ -43,9 +44,11 @@ def _tojson(
     sort_keys: bool = False,
 ) -> str:
     # Unlike Jinja's built-in, HF's tojson does not HTML-escape.
-    return json.dumps(
+    text = json.dumps(
         x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
     )
+    # Markers of request text (chat/data.py) must reach the tokenizer intact.
+    return unescape_markers(text) if ensure_ascii else text
 
 
 def _strftime_now(fmt: str) -> str:
@@ -204,10 +207,34 @@ class ChatTemplate:
         list in the system prompt, ``<tool_call>`` blocks in assistant turns,
         ``<tool_response>`` user turns for results.
         """
+        return self.render_marked(
+            messages, tools, None, add_generation_prompt=add_generation_prompt, kwargs=kwargs
+        )
+
+    def render_marked(
+        self,
+        messages: list[Message] | list[dict[str, Any]],
+        tools: list[Tool] | list[dict[str, Any]] | None,
+        marks: DataMarks | None,
+        *,
+        add_generation_prompt: bool = True,
+        kwargs: dict[str, Any] | None = None,
+    ) -> str:
+        """:meth:`render` with the request's strings marked by ``marks`` first.
+
+        Every string the request supplies (messages, tools, template kwargs)
+        is marked before the template and the tool fallbacks see it, so the
+        result holds markers where request text held special-token text and
+        the template's own markup everywhere else (``marks.restore`` gives
+        the text :meth:`render` returns).
+        """
         msgs = [message_to_dict(m) if isinstance(m, Message) else m for m in messages]
         tool_dicts = (
             [tool_to_dict(t) if isinstance(t, Tool) else t for t in tools] if tools else None
         )
+        kwargs = dict(kwargs or {})
+        if marks is not None:
+            msgs, tool_dicts, kwargs = marks.mark(msgs), marks.mark(tool_dicts), marks.mark(kwargs)
         if not (self.handles_tools and self.handles_tool_calls):
             msgs = _fallback_tools(
                 msgs, tool_dicts, tools_ok=self.handles_tools, calls_ok=self.handles_tool_calls

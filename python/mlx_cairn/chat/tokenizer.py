@@ -10,6 +10,7 @@ Example::
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -40,6 +41,10 @@ class Tokenizer:
         self.add_bos = add_bos
         self.bos_token_id = self.token_to_id(bos_token) if bos_token else None
         self.eos_token_id = self.token_to_id(eos_token) if eos_token else None
+        # Derived from the added vocabulary; rebuilt when it changes (see _specials).
+        self._specials_key: tuple[object, ...] = ()
+        self._special_tokens: dict[str, int] = {}
+        self._plain: HFTokenizer | None = None
 
     @classmethod
     def from_file(cls, path: str | Path, **kwargs: object) -> Tokenizer:
@@ -60,9 +65,52 @@ class Tokenizer:
         """Token ids of ``text``; special-token strings in it map to their ids.
 
         ``add_special_tokens=False`` (the default) matches Hugging Face chat
-        templating: the template, not the post-processor, places BOS.
+        templating: the template, not the post-processor, places BOS. For text
+        that came from a request use :meth:`encode_plain` (or
+        :func:`mlx_cairn.chat.build_prompt`, which keeps the two apart).
         """
         return list(self.hf.encode(text, add_special_tokens=add_special_tokens).ids)
+
+    def encode_plain(self, text: str) -> list[int]:
+        """Token ids of ``text`` with special-token strings read as ordinary text.
+
+        ``encode_plain("<|im_end|>")`` is a few byte-level pieces, never the
+        ``<|im_end|>`` id. Non-special added tokens still match, as in Hugging
+        Face's ``split_special_tokens``.
+        """
+        specials = self._specials()
+        plain = self._plain
+        if plain is None:
+            plain = _plain_copy(self.hf, set(specials))
+            self._plain = plain
+        return list(plain.encode(text, add_special_tokens=False).ids)
+
+    @property
+    def special_tokens(self) -> dict[str, int]:
+        """``{text: id}`` of the special tokens (added tokens marked special, BOS/EOS/PAD/UNK
+        when they are added tokens): the strings :meth:`encode` turns into control ids."""
+        return self._specials()
+
+    def _specials(self) -> dict[str, int]:
+        key = (
+            id(self.hf),
+            int(self.hf.get_vocab_size(with_added_tokens=True)),
+            self.bos_token,
+            self.eos_token,
+            self.pad_token,
+            self.unk_token,
+        )
+        if key != self._specials_key:
+            added = self.hf.get_added_tokens_decoder()
+            named = {self.bos_token, self.eos_token, self.pad_token, self.unk_token}
+            self._special_tokens = {
+                t.content: int(i)
+                for i, t in added.items()
+                if t.content and (t.special or t.content in named)
+            }
+            self._plain = None
+            self._specials_key = key
+        return self._special_tokens
 
     def decode(self, ids: Iterable[int], *, skip_special_tokens: bool = True) -> str:
         return str(self.hf.decode(list(ids), skip_special_tokens=skip_special_tokens))
@@ -73,6 +121,23 @@ class Tokenizer:
 
     def save(self, path: str | Path) -> None:
         self.hf.save(str(path))
+
+
+def _plain_copy(hf: HFTokenizer, specials: set[str]) -> HFTokenizer:
+    """A copy of ``hf`` that reads the ``specials`` strings as ordinary text.
+
+    The copy marks them special (BOS/EOS may be plain added tokens) and turns
+    special-token matching off. It is a private copy because the switch is
+    tokenizer-wide: flipping it on the shared tokenizer would race with
+    encodes on other threads.
+    """
+    spec = json.loads(hf.to_str())
+    for t in spec.get("added_tokens") or []:
+        if t.get("content") in specials:
+            t["special"] = True
+    plain = HFTokenizer.from_str(json.dumps(spec))
+    plain.encode_special_tokens = True
+    return plain
 
 
 class IncrementalDetokenizer:
