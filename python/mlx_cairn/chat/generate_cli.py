@@ -1,9 +1,8 @@
 """``cairn generate PROMPT``: one chat turn streamed to the terminal.
 
-The prompt goes through the model's chat template, the reference decode
-loop (:mod:`mlx_cairn.engine.reference`) with the batched sampler, the
-incremental detokenizer and the output parser (reasoning / tool calls /
-stop sequences), exactly the text path the server uses.
+The prompt runs through :meth:`mlx_cairn.Engine.generate_sync`: the same
+engine, finish rules, reasoning budget, stop sequences and output parser as
+the server, one request.
 
 Example::
 
@@ -22,6 +21,8 @@ from typing import TextIO
 from mlx_cairn.errors import CairnError
 from mlx_cairn.types import (
     ChatRequest,
+    Done,
+    Error,
     Message,
     ReasoningDelta,
     SamplingParams,
@@ -75,10 +76,7 @@ def run(args: argparse.Namespace, out: TextIO | None = None, err: TextIO | None 
     """Run the subcommand; returns the exit status."""
     out = out or sys.stdout
     err = err or sys.stderr
-    from mlx_cairn.engine.output import SequenceOutput
-    from mlx_cairn.engine.prepare import prepare
-    from mlx_cairn.engine.reference import GenerationStats, generate_tokens
-    from mlx_cairn.engine.sampler import RowSampler
+    from mlx_cairn.engine import Engine
 
     text = sys.stdin.read() if args.prompt == "-" else args.prompt
     messages = ([Message("system", args.system)] if args.system else []) + [Message("user", text)]
@@ -97,20 +95,20 @@ def run(args: argparse.Namespace, out: TextIO | None = None, err: TextIO | None 
     )
     try:
         lm, load_s = _load_with_progress(args.model, args.dtype, err)
-        prepared = prepare(
-            lm, req, context_length=lm.context_length, max_tokens_capacity=lm.context_length
-        )
+        # One request: a KV pool of one context (or a few hundred MiB, if smaller).
+        engine = Engine(lm, kv_cache_gb=None, max_batch=1)
     except CairnError as e:
         print(f"error: {e.message}", file=err)
         return 2
-
-    pipeline = SequenceOutput(lm.tokenizer, prepared)
-    stats = GenerationStats()
     in_reasoning = False
-
-    def emit(events: list) -> None:
-        nonlocal in_reasoning
-        for ev in events:
+    done: Done | None = None
+    try:
+        try:
+            prepared = engine.prepare(req)
+        except CairnError as e:
+            print(f"error: {e.message}", file=err)
+            return 2
+        for ev in engine.generate_sync(prepared):
             if isinstance(ev, ReasoningDelta):
                 if not in_reasoning:
                     out.write("<think>")
@@ -125,34 +123,24 @@ def run(args: argparse.Namespace, out: TextIO | None = None, err: TextIO | None 
                 out.write(
                     f"\n[tool call] {ev.name}({json.dumps(json.loads(ev.arguments or '{}'))})\n"
                 )
-        out.flush()
-
-    stopped = None
-    for tok in generate_tokens(
-        lm.model,
-        prepared.prompt_ids,
-        max_tokens=prepared.max_tokens,
-        sampling=RowSampler(prepared.sampling),
-        eos_token_ids=lm.eos_token_ids,
-        stats=stats,
-    ):
-        if tok in lm.eos_token_ids:
-            break
-        events, stopped = pipeline.push(tok)
-        emit(events)
-        if stopped is not None:
-            break
-    if stopped is None:
-        emit(pipeline.flush())
+            elif isinstance(ev, Done):
+                done = ev
+            elif isinstance(ev, Error):
+                print(f"\nerror: {ev.message}", file=err)
+                return 1
+            out.flush()
+    finally:
+        engine.close()
     if in_reasoning:
         out.write("</think>")
     out.write("\n")
     out.flush()
-    if args.verbose:
+    if args.verbose and done is not None:
+        t, u = done.timings, done.usage
         print(
-            f"[{lm.name}] load {load_s:.2f}s | prompt {stats.prompt_tokens} tok, "
-            f"{stats.prefill_tokens_per_s:.1f} tok/s | generated {stats.generated_tokens} tok, "
-            f"{stats.decode_tokens_per_s:.1f} tok/s | finish: {(stopped and 'stop') or stats.finish_reason}",
+            f"[{lm.name}] load {load_s:.2f}s | prompt {u.input_tokens} tok, "
+            f"{t.prefill_tokens_per_s:.1f} tok/s | generated {u.output_tokens} tok, "
+            f"{t.decode_tokens_per_s:.1f} tok/s | finish: {done.stop_reason}",
             file=err,
         )
     return 0
