@@ -13,6 +13,7 @@ from typing import Any
 import uvicorn
 
 from mlx_cairn.api import ModelRegistry, ServerConfig, create_app
+from mlx_cairn.api.connection import http_protocol
 from mlx_cairn.engine import Engine
 from mlx_cairn.engine.testing import assert_at_rest
 from scripted_model import scripted_model
@@ -39,8 +40,14 @@ class LiveServer:
         self.sock.bind(("127.0.0.1", 0))
         self.port = self.sock.getsockname()[1]
         self.url = f"http://127.0.0.1:{self.port}"
+        settings = app.state.cairn.config  # the protocol `cairn serve` runs, with these timeouts
         config = uvicorn.Config(
-            app, log_level="warning", lifespan="off", ws="none", timeout_graceful_shutdown=2
+            app,
+            log_level="warning",
+            lifespan="off",
+            ws="none",
+            timeout_graceful_shutdown=2,
+            http=http_protocol(settings.header_timeout, settings.body_timeout),
         )
         self.server = uvicorn.Server(config)
         self.thread = threading.Thread(

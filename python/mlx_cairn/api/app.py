@@ -11,7 +11,7 @@ Layers, outermost first (a request goes down, its response comes back up)::
     Cors            only with --cors-origin: answers preflights, adds the headers
     ServerErrorMiddleware   unhandled exception -> 500 envelope
     RequestCounter  /metrics counts every answer below, 401s and 413s included
-    Gate            auth, then the body limit
+    Gate            auth, then the body limit and read timeout
     ExceptionMiddleware     CairnError / HTTPException -> the dialect's envelope
     routes
 
@@ -173,7 +173,15 @@ def create_app(registry: ModelRegistry, config: ServerConfig | None = None) -> F
     modules = [importlib.import_module(m) for m in DIALECT_MODULES]
     dialects = DialectSet(m.DIALECT for m in modules)
 
-    app = CairnApp(title="mlx-cairn", version=__version__, docs_url=None, redoc_url=None)
+    # No trailing-slash redirects: their Location would echo the request's Host
+    # (the gate drops a trailing slash instead, so /v1/messages/ is served).
+    app = CairnApp(
+        title="mlx-cairn",
+        version=__version__,
+        docs_url=None,
+        redoc_url=None,
+        redirect_slashes=False,
+    )
     app.cors_origins = tuple(config.cors_origins)
     app.state.cairn = AppState(registry, config, dialects)
     for m in modules:
@@ -213,7 +221,13 @@ def create_app(registry: ModelRegistry, config: ServerConfig | None = None) -> F
         )
 
     # Outermost: every route, present and future, is behind the gate.
-    app.add_middleware(Gate, dialects=dialects, digest=digest, max_body_bytes=config.max_body_bytes)
+    app.add_middleware(
+        Gate,
+        dialects=dialects,
+        digest=digest,
+        max_body_bytes=config.max_body_bytes,
+        body_timeout=config.body_timeout,
+    )
     install_metrics(app)  # GET /metrics (behind the gate) + a request counter around everything
     install_openapi(app)  # request-body schemas in /openapi.json
     return app

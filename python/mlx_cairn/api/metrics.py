@@ -21,6 +21,9 @@ Families (``model`` is a served model's primary name)::
     cairn_preemptions_total{model}                       counter
     cairn_engine_requests_total{model,outcome}           counter    (completed / failed / cancelled)
 
+A client that disconnects while sending its body gets no answer; it is
+counted with ``status="499"`` (nginx's "client closed request"), not as a 500.
+
 ``route`` is the matched route's path template (``/v1/messages``), never the
 raw path, and ``method`` is one of the standard methods or ``other``, so
 hostile requests cannot grow the label set; anything unmatched is
@@ -54,6 +57,10 @@ TPOT_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.25, 0.5, 1, 2.
 UNMATCHED = "unmatched"
 #: Methods counted by name; any other (h11 accepts arbitrary tokens) is "other".
 METHODS = frozenset({"GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"})
+#: Scope key the auth gate sets when the client left while sending its body.
+CLIENT_GONE_SCOPE_KEY = "cairn.client_gone"
+#: The ``status`` label of such a request.
+CLIENT_GONE_STATUS = 499
 
 
 class Metrics:
@@ -187,6 +194,8 @@ class RequestCounter:
 
         try:
             await self.app(scope, receive, watch)
+            if scope.get(CLIENT_GONE_SCOPE_KEY):  # set only when nothing was sent
+                status = CLIENT_GONE_STATUS
         finally:
             route = scope.get("route")
             label = getattr(route, "path", None) or UNMATCHED

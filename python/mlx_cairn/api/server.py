@@ -1,18 +1,34 @@
-"""``cairn serve``: settings from flags and environment, checks, then uvicorn."""
+"""``cairn serve``: settings from flags and environment, checks, then uvicorn.
+
+Start-up order, so that a mistake costs no model load::
+
+    parse flags      numeric flags are range-checked by their argparse types
+    build()          --context-length, token, aliases, names: ServeError
+    bind_sockets()   the port is taken now (busy: ServeError)
+    load models      then the KV pool of each is checked against --kv-cache-gb
+    uvicorn          on the sockets bound above
+
+Every refusal is one line naming the flag, and exit status 2.
+"""
 
 from __future__ import annotations
 
 import argparse
+import errno
 import ipaddress
 import logging
+import math
 import os
 import signal
+import socket
 import sys
 import threading
+from collections.abc import Callable
 from pathlib import Path
 from types import FrameType
 from typing import Any
 
+from mlx_cairn.api.connection import DEFAULT_BODY_TIMEOUT, DEFAULT_HEADER_TIMEOUT, http_protocol
 from mlx_cairn.api.registry import ModelRegistry
 from mlx_cairn.api.state import (
     DEFAULT_MAX_BODY_BYTES,
@@ -26,6 +42,57 @@ log = logging.getLogger("mlx_cairn.api")
 
 class ServeError(Exception):
     """A setting that stops the server from starting."""
+
+
+# ------------------------------------------------------------- flag types
+# argparse reports a type's ArgumentTypeError as "argument --flag: <message>"
+# and exits 2, before anything is loaded.
+
+
+def _number(text: str, kind: Callable[[str], float]) -> float:
+    try:
+        value = kind(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"expected a finite number, got {text!r}")
+    return value
+
+
+def port_number(text: str) -> int:
+    """A TCP port, 1..65535."""
+    value = int(_number(text, int))
+    if not 1 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"must be a port from 1 to 65535, got {text}")
+    return value
+
+
+def at_least(minimum: int) -> Callable[[str], int]:
+    """An integer flag type that refuses values below ``minimum``."""
+
+    def parse(text: str) -> int:
+        value = int(_number(text, int))
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"must be at least {minimum}, got {text}")
+        return value
+
+    return parse
+
+
+def positive(text: str) -> float:
+    """A finite number above 0."""
+    value = _number(text, float)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be a number above 0, got {text}")
+    return value
+
+
+def non_negative(text: str) -> float:
+    """A finite number, 0 or more."""
+    value = _number(text, float)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be 0 or more, got {text}")
+    return value
 
 
 def is_loopback(host: str) -> bool:
@@ -98,26 +165,63 @@ def claude_code_fit(name: str, context: int) -> str:
     )
 
 
-def build(args: argparse.Namespace, env: dict[str, str]) -> tuple[ModelRegistry, ServerConfig]:
-    """Validate the flags and build the (not yet loaded) registry and config."""
+def build(
+    args: argparse.Namespace, env: dict[str, str], *, problems: list[str] | None = None
+) -> tuple[ModelRegistry, ServerConfig]:
+    """Validate the flags and build the (not yet loaded) registry and config.
+
+    ``problems``: the engine factory appends there what a loaded model shows
+    to be wrong with the flags (a KV pool too small for any request); the
+    caller refuses to serve when it is not empty.
+    """
     token = read_token(args.api_key_file, env)
     if token is None and not is_loopback(args.host) and not args.allow_no_auth:
         raise ServeError(
             f"refusing to serve on {args.host} without a token: set CAIRN_API_KEY or "
             "--api-key-file, or pass --allow-no-auth to accept anyone who can reach the port"
         )
-    if args.max_queue < 1:
-        raise ServeError("--max-queue must be at least 1")
-
-    if args.context_length is not None and args.context_length < 2:
-        raise ServeError("--context-length must be at least 2")
+    # The argparse types refuse these already; a Namespace built in code is checked here.
+    for flag, value, low, inclusive in (
+        ("--max-queue", args.max_queue, 1, True),
+        ("--context-length", args.context_length, 2, True),
+        ("--max-tokens-limit", args.max_tokens_limit, 1, True),
+        ("--max-body-mb", args.max_body_mb, 0, False),
+        ("--kv-cache-gb", args.kv_cache_gb, 0, False),
+        ("--shutdown-grace", args.shutdown_grace, 0, True),
+        ("--header-timeout", args.header_timeout, 0, False),
+        ("--body-timeout", args.body_timeout, 0, False),
+    ):
+        if value is None:
+            continue
+        if not math.isfinite(value) or value < low or (value == low and not inclusive):
+            bound = f"at least {low}" if inclusive else f"above {low}"
+            raise ServeError(f"{flag} must be {bound}, got {value}")
+    max_body_bytes = int(args.max_body_mb * 1024 * 1024)
+    if max_body_bytes < 1:
+        raise ServeError(f"--max-body-mb {args.max_body_mb:g} allows no body at all")
 
     def engine_factory(loaded: Any) -> object:
         from mlx_cairn.engine import Engine
 
         if args.context_length is not None:
             override_context(loaded, args.context_length)
-        return Engine(loaded, kv_cache_gb=args.kv_cache_gb, max_queue=args.max_queue)
+        try:
+            engine = Engine(loaded, kv_cache_gb=args.kv_cache_gb, max_queue=args.max_queue)
+        except ValueError as e:
+            # The pool is sized from the model's shapes, so this is known only now;
+            # engine/paged.py words every sizing refusal "KV pool ...".
+            if problems is not None and args.kv_cache_gb is not None and "KV pool" in str(e):
+                problems.append(
+                    f"--kv-cache-gb {args.kv_cache_gb:g} does not suit {loaded.name}: {e}"
+                )
+            raise
+        if problems is not None:
+            problem = kv_pool_problem(
+                loaded.name, engine.stats(), engine.context_length, args.kv_cache_gb
+            )
+            if problem is not None:
+                problems.append(problem)
+        return engine
 
     sources: list[str | None] = list(args.model) if args.model else [None]
     try:
@@ -131,12 +235,102 @@ def build(args: argparse.Namespace, env: dict[str, str]) -> tuple[ModelRegistry,
         raise ServeError(str(e)) from None
     config = ServerConfig(
         api_token=token,
-        max_body_bytes=int(args.max_body_mb * 1024 * 1024),
+        max_body_bytes=max_body_bytes,
         max_tokens_limit=args.max_tokens_limit,
         clamp_max_tokens=args.clamp_max_tokens,
         cors_origins=tuple(dict.fromkeys(args.cors_origin)),
+        header_timeout=args.header_timeout,
+        body_timeout=args.body_timeout,
     )
     return registry, config
+
+
+#: The fewest tokens a KV pool must hold to serve anything useful (a short chat
+#: turn and its answer); a model with a shorter context needs only its context.
+MIN_KV_TOKENS = 1024
+
+
+def kv_pool_problem(
+    name: str, stats: dict[str, Any], context: int, kv_cache_gb: float | None
+) -> str | None:
+    """What makes a loaded model's KV pool unfit to serve, or None.
+
+    ``stats`` is the engine's (``blocks_total`` usable blocks of ``block_size``
+    tokens, ``kv_cache_bytes`` with the null block). A pool below
+    :data:`MIN_KV_TOKENS` (or the whole ``context``, if shorter) is a problem;
+    one below a full context only warns: longer requests get a 400 naming it.
+    """
+    blocks, block_size = int(stats["blocks_total"]), int(stats["block_size"])
+    tokens = blocks * block_size
+    per_block = float(stats["kv_cache_bytes"]) / (blocks + 1)
+
+    def gib_for(n: int) -> str:  # rounded up to the MiB, as a --kv-cache-gb value
+        need = (-(-n // block_size) + 1) * per_block
+        return f"{math.ceil(need / 2**20) / 1024:.3f}".rstrip("0").rstrip(".")
+
+    floor = min(MIN_KV_TOKENS, context)
+    flag = f"--kv-cache-gb {kv_cache_gb:g}" if kv_cache_gb is not None else "the KV cache"
+    if tokens < floor:
+        return (
+            f"{flag} holds {tokens} tokens for {name} ({blocks} blocks of {block_size}), "
+            f"fewer than the {floor} a request may need; use --kv-cache-gb {gib_for(floor)} "
+            "or more"
+        )
+    if tokens < context:
+        log.warning(
+            "%s: %s holds %d tokens, less than its %d-token context; a prompt plus max_tokens "
+            "above %d gets a 400 (--kv-cache-gb %s holds a full context)",
+            name,
+            flag,
+            tokens,
+            context,
+            tokens,
+            gib_for(context),
+        )
+    return None
+
+
+def bind_sockets(host: str, port: int, backlog: int = 2048) -> list[socket.socket]:
+    """Listening sockets for every address ``host`` resolves to (``localhost``:
+    IPv4 and IPv6), bound now so a busy port is refused before any model loads."""
+    bare = host.strip("[]")
+    try:
+        infos = socket.getaddrinfo(
+            bare, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE | socket.AI_ADDRCONFIG
+        )
+    except socket.gaierror as e:
+        raise ServeError(f"--host {host}: cannot resolve it ({e.strerror})") from None
+    sockets: list[socket.socket] = []
+    seen: set[tuple[int, Any]] = set()
+    try:
+        for family, kind, proto, _, addr in infos:
+            if (family, addr) in seen:
+                continue
+            seen.add((family, addr))
+            sock = socket.socket(family, kind, proto)
+            sockets.append(sock)
+            # As uvicorn and asyncio do: a restart may reuse a port in TIME_WAIT,
+            # never one that another process is listening on.
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            if family == socket.AF_INET6:
+                sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+            try:
+                sock.bind(addr)
+            except OSError as e:
+                if e.errno == errno.EADDRINUSE:
+                    raise ServeError(
+                        f"--port {port}: {host}:{port} is already in use "
+                        "(another server is listening there)"
+                    ) from None
+                raise ServeError(
+                    f"--host {host} --port {port}: cannot listen: {e.strerror}"
+                ) from None
+            sock.listen(backlog)
+    except BaseException:
+        for sock in sockets:
+            sock.close()
+        raise
+    return sockets
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -164,7 +358,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="serve any unknown claude-* model name with MODEL (no value: the first served model)",
     )
     p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8080)
+    p.add_argument("--port", type=port_number, default=8080, help="1 to 65535")
     p.add_argument(
         "--api-key-file",
         metavar="FILE",
@@ -175,21 +369,21 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--max-queue",
-        type=int,
+        type=at_least(1),
         default=64,
         metavar="N",
         help="waiting requests before new ones get 429",
     )
     p.add_argument(
         "--kv-cache-gb",
-        type=float,
+        type=positive,
         default=None,
         metavar="X",
         help="KV cache size in GiB (default: sized from free memory)",
     )
     p.add_argument(
         "--context-length",
-        type=int,
+        type=int,  # range-checked in build() (tests build Namespaces with bad values)
         default=None,
         metavar="N",
         help="serve every model with a context of N tokens instead of its configured one "
@@ -197,13 +391,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--max-body-mb",
-        type=float,
+        type=positive,
         default=DEFAULT_MAX_BODY_BYTES / 2**20,
         help="largest request body accepted (413 above it)",
     )
     p.add_argument(
         "--max-tokens-limit",
-        type=int,
+        type=at_least(1),
         default=DEFAULT_MAX_TOKENS_LIMIT,
         help="largest max_tokens accepted (400 above it)",
     )
@@ -224,11 +418,25 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--shutdown-grace",
-        type=float,
+        type=non_negative,
         default=5.0,
         metavar="SECONDS",
         help="on SIGTERM / Ctrl-C, time for running generations to finish before they are "
         "ended with an error event",
+    )
+    p.add_argument(
+        "--header-timeout",
+        type=positive,
+        default=DEFAULT_HEADER_TIMEOUT,
+        metavar="SECONDS",
+        help="close a connection that has not sent a complete request head in this time",
+    )
+    p.add_argument(
+        "--body-timeout",
+        type=positive,
+        default=DEFAULT_BODY_TIMEOUT,
+        metavar="SECONDS",
+        help="answer 408 and close when a request body makes no progress for this long",
     )
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
 
@@ -239,13 +447,25 @@ def run(args: argparse.Namespace) -> int:
     from mlx_cairn.api.app import create_app
 
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    problems: list[str] = []
     try:
-        registry, config = build(args, dict(os.environ))
+        registry, config = build(args, dict(os.environ), problems=problems)
+        sockets = bind_sockets(args.host, args.port)
     except ServeError as e:
         print(f"cairn serve: {e}", file=sys.stderr)
         return 2
-    registry.load_all()
-    app = create_app(registry, config)
+    try:
+        registry.load_all()
+        if problems:
+            for problem in problems:
+                print(f"cairn serve: {problem}", file=sys.stderr)
+            registry.close()
+            return 2
+        app = create_app(registry, config)
+    except BaseException:
+        for sock in sockets:
+            sock.close()
+        raise
     for sm in registry.models:
         if sm.loaded is not None:
             print(claude_code_fit(sm.name, int(sm.loaded.context_length)), flush=True)
@@ -257,7 +477,7 @@ def run(args: argparse.Namespace) -> int:
         args.port,
         "token" if config.api_token else "none",
     )
-    _serve(app, registry, args)
+    _serve(app, registry, args, sockets, config)
     return 0
 
 
@@ -265,7 +485,13 @@ def run(args: argparse.Namespace) -> int:
 _FLUSH_SECONDS = 5.0
 
 
-def _serve(app: object, registry: ModelRegistry, args: argparse.Namespace) -> None:
+def _serve(
+    app: object,
+    registry: ModelRegistry,
+    args: argparse.Namespace,
+    sockets: list[socket.socket],
+    settings: ServerConfig,
+) -> None:
     """Run uvicorn until SIGTERM / Ctrl-C, then shut down so that every stream ends properly.
 
     On the first signal uvicorn stops accepting connections and waits for the
@@ -296,13 +522,17 @@ def _serve(app: object, registry: ModelRegistry, args: argparse.Namespace) -> No
         port=args.port,
         log_level=args.log_level,
         timeout_graceful_shutdown=int(grace + _FLUSH_SECONDS),
+        http=http_protocol(settings.header_timeout, settings.body_timeout),
+        ws="none",  # no WebSocket routes: an Upgrade request is plain HTTP here
     )
     # uvicorn re-raises the signal it shut down for once it is done, which
     # would kill the process with it; after a clean shutdown that is a no-op.
     previous = {sig: signal.signal(sig, _ignore) for sig in (signal.SIGTERM, signal.SIGINT)}
     try:
-        Server(config).run()
+        Server(config).run(sockets=sockets)
     finally:
+        for sock in sockets:
+            sock.close()
         for sig, handler in previous.items():
             signal.signal(sig, handler)
         for timer in timers:

@@ -11,6 +11,7 @@ import orjson
 from starlette.requests import Request
 from starlette.responses import Response
 
+from mlx_cairn.api.connection import DEFAULT_BODY_TIMEOUT, DEFAULT_HEADER_TIMEOUT
 from mlx_cairn.api.dialects import DialectSet
 from mlx_cairn.api.registry import ModelRegistry
 from mlx_cairn.errors import InvalidRequest
@@ -34,6 +35,10 @@ class ServerConfig:
     clamp_max_tokens: bool = False
     #: Seconds of silence on a stream before a ping frame.
     ping_interval: float = 3.0
+    #: Seconds a connection may take to send a complete request head (then it is closed).
+    header_timeout: float = DEFAULT_HEADER_TIMEOUT
+    #: Seconds a request body may make no progress (then 408 and close).
+    body_timeout: float = DEFAULT_BODY_TIMEOUT
     #: Browser origins allowed to call the server (CORS); ``"*"`` is any origin,
     #: empty sends no CORS headers at all. Values as :func:`cors_origin` returns them.
     cors_origins: tuple[str, ...] = ()
