@@ -20,7 +20,7 @@ export CAIRN_HYPOTHESIS_EXAMPLES ?= 100
 FUZZ_ENV  := RUSTC_BOOTSTRAP=1
 SUDO      := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
-.PHONY: help setup build test test-rust test-py fuzz fuzz-short lint bench serve clean
+.PHONY: help setup build test test-rust test-py fuzz fuzz-short lint bench serve clean test-claude-code
 
 help: ## Show this help
 	@grep -hE '^[a-zA-Z_-]+:.*## ' $(MAKEFILE_LIST) | awk 'BEGIN {FS = ":.*## "}; {printf "  \033[36m%-12s\033[0m %s\n", $$1, $$2}'
@@ -73,6 +73,20 @@ lint: build ## clippy, rustfmt, ruff, mypy.stubtest on _core.pyi
 bench: build ## Run the benchmarks (results go to bench/RESULTS.md by hand)
 	$(MATURIN) develop --release -q --extras bench
 	$(PY) bench/run_all.py
+
+# The real Claude Code CLI (bundled in the claude-agent-sdk wheel) in a venv of its own.
+CC_VENV        ?= .venv-claude-code
+CC_SDK_VERSION ?= 0.2.189
+# tiny: a random-weight 128k-context model (seconds); smollm2: the default model at --context-length 65536 (slow).
+CC_MODEL       ?= tiny
+
+$(CC_VENV)/.sdk-$(CC_SDK_VERSION):
+	@[ -x $(CC_VENV)/bin/python ] || python3 -m venv $(CC_VENV)
+	PIP_DISABLE_PIP_VERSION_CHECK=1 $(CC_VENV)/bin/python -m pip install -q "claude-agent-sdk==$(CC_SDK_VERSION)"
+	@touch $@
+
+test-claude-code: build $(CC_VENV)/.sdk-$(CC_SDK_VERSION) ## Run the real Claude Code CLI against cairn serve (CC_MODEL=tiny|smollm2)
+	$(PY) tests/e2e/claude_code.py --claude-venv $(CC_VENV) --model $(CC_MODEL)
 
 serve: build ## Serve the embedded default model on $(HOST):$(PORT) (SERVE_ARGS for more flags)
 	$(VENV)/bin/cairn serve --host $(HOST) --port $(PORT) $(SERVE_ARGS)
