@@ -296,3 +296,32 @@ def test_successes_log_nothing(client: TestClient, caplog: pytest.LogCaptureFixt
     assert client.post("/v1/messages", json=body, headers=ANTHROPIC).status_code == 200
     assert client.get("/v1/models/fast", headers=KEY).status_code == 200
     assert api_lines(caplog) == []
+
+
+# ---------------------------------------------------------------- x-should-retry
+
+
+def test_errors_say_whether_a_retry_can_help(client: TestClient) -> None:
+    """Claude Code and the SDKs read x-should-retry first: a wrong token must not be
+    retried ten times over three minutes."""
+    cases = [
+        (client.post("/v1/messages", json={}, headers={"x-api-key": "wrong"}), 401, "false"),
+        (client.post("/v1/messages", json={"model": "scripted"}, headers=KEY), 400, "false"),
+        (client.get("/v1/nowhere", headers=KEY), 404, "false"),
+        (
+            client.post(
+                "/v1/messages", content=b"x" * (70 * 1024), headers=KEY | {"content-type": "a/b"}
+            ),
+            413,
+            "false",
+        ),
+    ]
+    for r, status, retry in cases:
+        assert r.status_code == status, r.text
+        assert r.headers["x-should-retry"] == retry, (status, r.headers)
+
+
+def test_a_full_queue_is_worth_retrying() -> None:
+    from mlx_cairn.api.dialects import RETRYABLE
+
+    assert {408, 429, 500, 529} <= RETRYABLE and not {400, 401, 403, 404, 413} & RETRYABLE

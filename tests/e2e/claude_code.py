@@ -376,13 +376,14 @@ def run_cases(h: Harness, cases: list[Case]) -> None:
     )
 
     # c. wrong token. Claude Code retries a 401 up to 10 times with backoff (~3 min)
-    # unless the answer carries `x-should-retry: false`; CLAUDE_CODE_MAX_RETRIES=2 bounds it.
+    # unless the answer carries `x-should-retry: false`, which the server sends: one
+    # attempt. CLAUDE_CODE_MAX_RETRIES=2 only bounds the time if that ever regresses.
     wrong = {"ANTHROPIC_API_KEY": "wrong-" + h.token, "CLAUDE_CODE_MAX_RETRIES": "2"}
     run = h.cli("c", ["-p", "Say hello"], "home-c", wrong)
     said = (run.stdout + run.stderr).strip()
     statuses = sorted({e.status for e in rec.of("c")})
     attempts = sum(1 for e in rec.of("c") if e.path.startswith("/v1/messages"))
-    ok = run.rc != 0 and bool(AUTH_ERROR.search(said)) and statuses == [401]
+    ok = run.rc != 0 and bool(AUTH_ERROR.search(said)) and statuses == [401] and attempts == 1
     detail = (
         f"exit {run.rc}, said {said[-160:]!r}; statuses {statuses}; "
         f"{attempts} /v1/messages attempts"

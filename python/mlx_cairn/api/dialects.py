@@ -118,6 +118,11 @@ class DialectSet:
         return self.default
 
 
+#: Statuses worth retrying (timeout, conflict, rate limit, server side); every
+#: other 4xx fails the same way again.
+RETRYABLE = frozenset({408, 409, 429, 500, 502, 503, 504, 529})
+
+
 class ErrorResponse(Response):
     """An error envelope that logs why it was sent (4xx only, one line, see the module doc).
 
@@ -136,6 +141,10 @@ class ErrorResponse(Response):
         message: str,
         headers: dict[str, str] | None = None,
     ) -> None:
+        headers = dict(headers or {})
+        # The official SDKs (and Claude Code) read this before their own rules:
+        # without it Claude Code retries a 401 ten times over three minutes.
+        headers.setdefault("x-should-retry", "true" if status in RETRYABLE else "false")
         super().__init__(
             orjson.dumps(body), status_code=status, headers=headers, media_type="application/json"
         )
