@@ -7,6 +7,7 @@ refused with a 400, and nothing is left running or holding blocks.
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -131,6 +132,9 @@ def test_an_exception_after_submit_cancels_the_generation(
     body = base | {"max_tokens": 400} if route != "responses" else base
     r = httpx.post(url + path, json=body, timeout=30)
     assert r.status_code == 500
+    deadline = time.monotonic() + 30  # the stats snapshot follows the engine's step
+    while requests_total(engine) < before + 1 and time.monotonic() < deadline:
+        time.sleep(0.01)
     assert requests_total(engine) == before + 1  # it was submitted ...
     stats = assert_at_rest(engine)  # ... and cancelled: nothing runs, no block is held
     assert stats["running"] == 0 and stats["waiting"] == 0
