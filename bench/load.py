@@ -16,6 +16,13 @@ up, in-flight requests get ``--drain`` seconds to finish, then are dropped;
 the server must then come to rest: queue empty, no KV block referenced, and
 resident memory within 10% of what it was after warm-up.
 
+``--hostile`` runs two phases against the same server instead: the normal
+clients alone (none of them droppers, so anything short of a clean completion
+is an error), then the same load with the hostile clients of
+``bench/hostile.py`` beside them (slow, half-closing, oversize, deeply nested,
+control-token and bad-number requests, in their own process), and reports
+both side by side, what each hostile variant got back, and the rest check.
+
 ``--auth-timing`` also measures how long the auth gate takes to refuse a
 wrong token as a function of how many leading bytes it shares with the real
 one (in-process on the gate's own function, and over HTTP).
@@ -23,6 +30,7 @@ one (in-process on the gate's own function, and over HTTP).
 Run (about 2-3 minutes on 2 cores)::
 
     .venv/bin/python bench/load.py --auth-timing
+    .venv/bin/python bench/load.py --hostile     # about 2.5 minutes: 16 normal + 17 hostile
 
 Prints a Markdown report (paste into bench/RESULTS.md) and ``--json`` a
 machine-readable one.
@@ -36,7 +44,6 @@ import json
 import os
 import random
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -49,7 +56,20 @@ from typing import Any
 
 import httpx
 
-TOKEN = "load-test-token-" + "x" * 24
+from hostile import markdown_phases, not_clean  # bench/ is on sys.path when run as a script
+from serve_proc import (
+    TOKEN,
+    free_port,
+    metric,
+    rest_check,
+    rss_bytes,
+    server_log_since,
+    server_sockets,
+    start_server,
+    status_counts,
+    wait_ready,
+)
+
 SHARED_SYSTEM = (
     "You are a concise assistant running on a small local model. Answer in one or two "
     "sentences, plainly, without lists or headings. "
@@ -68,51 +88,6 @@ SHORT_USERS = [
 ]
 
 
-# --------------------------------------------------------------------- server
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def rss_bytes(pid: int) -> int:
-    """Resident set size of ``pid`` (Linux /proc)."""
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) * 1024
-    raise RuntimeError("no VmRSS")
-
-
-def start_server(args: argparse.Namespace, port: int) -> subprocess.Popen[bytes]:
-    cmd = [
-        sys.executable, "-m", "mlx_cairn.cli", "serve", "--host", "127.0.0.1",
-        "--port", str(port), "--max-queue", str(args.max_queue), "--log-level", "warning",
-    ]  # fmt: skip
-    if args.model:
-        cmd += ["--model", args.model]
-    if args.kv_cache_gb:
-        cmd += ["--kv-cache-gb", str(args.kv_cache_gb)]
-    env = dict(os.environ, CAIRN_API_KEY=TOKEN)
-    log = open(args.server_log, "wb")  # noqa: SIM115 - lives as long as the process
-    return subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
-
-
-def wait_ready(url: str, proc: subprocess.Popen[bytes], timeout: float = 180.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"server exited with {proc.returncode}; see the server log")
-        try:
-            if httpx.get(url + "/health", timeout=1.0).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.25)
-    raise RuntimeError("server did not come up in time")
-
-
 # --------------------------------------------------------------------- clients
 
 
@@ -123,6 +98,7 @@ class Result:
     ttft: float | None = None
     output_tokens: int = 0
     decode_s: float = 0.0
+    latency: float | None = None  # request start to final event, completed requests only
 
 
 @dataclass
@@ -135,8 +111,13 @@ class Run:
     health_errors: int = 0
     queue_peak: float = 0.0
     running_peak: float = 0.0
+    #: (seconds since the start, MB) of the server's RSS, one sample a second.
+    rss_mb: list[tuple[float, float]] = field(default_factory=list)
     stop_at: float = 0.0
     drain_until: float = 0.0
+    end: float = 0.0
+    #: What bench/hostile.py reported (hostile phase only).
+    hostile: dict[str, Any] | None = None
 
 
 def make_request(rng: random.Random, model: str) -> tuple[str, str, dict[str, Any], bool]:
@@ -237,6 +218,7 @@ async def one_request(
                     if val is not None:
                         res.output_tokens = int(val)
                     res.kind = "completed"
+                    res.latency = now - t0
                     if res.ttft is not None:
                         res.decode_s = now - t0 - res.ttft
                     return res
@@ -256,9 +238,11 @@ async def one_request(
         return Result(dialect, f"transport:{type(e).__name__}", res.ttft)
 
 
-async def client_loop(idx: int, url: str, model: str, run: Run, seed: int) -> None:
+async def client_loop(
+    idx: int, url: str, model: str, run: Run, seed: int, *, droppers: bool = True
+) -> None:
     rng = random.Random(seed * 1000 + idx)
-    dropper = idx % 3 == 0
+    dropper = droppers and idx % 3 == 0
     headers = {
         "x-api-key": TOKEN,
         "authorization": f"Bearer {TOKEN}",
@@ -274,9 +258,8 @@ async def client_loop(idx: int, url: str, model: str, run: Run, seed: int) -> No
 #: The /health prober runs in its own process, so the load generator's busy
 #: event loop cannot add to the latency it measures.
 HEALTH_PROBE = r"""
-import json, sys, time, httpx
+import sys, time, httpx
 url, until = sys.argv[1], time.time() + float(sys.argv[2])
-out, failed = [], 0
 with httpx.Client(base_url=url, timeout=5.0) as c:
     while time.time() < until:
         t = time.perf_counter()
@@ -284,74 +267,97 @@ with httpx.Client(base_url=url, timeout=5.0) as c:
             ok = c.get("/health").status_code == 200
         except httpx.HTTPError:
             ok = False
-        if ok:
-            out.append((time.time(), 1000 * (time.perf_counter() - t)))
-        else:
-            failed += 1
+        ms = 1000 * (time.perf_counter() - t)
+        print(f"{time.time()} {ms if ok else -1}", flush=True)
         time.sleep(0.1)
-print(json.dumps({"samples": out, "failed": failed}))
 """
 
 
-async def poll_health(url: str, run: Run) -> None:
-    seconds = run.drain_until - time.perf_counter()
+async def poll_health(url: str, run: Run, done: asyncio.Event) -> None:
+    """Probe ``/health`` every 100 ms (one line per answer, -1 ms: failed) until ``done``."""
+    seconds = run.drain_until - time.perf_counter() + 60
     proc = await asyncio.create_subprocess_exec(
         sys.executable, "-c", HEALTH_PROBE, url, str(seconds), stdout=asyncio.subprocess.PIPE
     )
-    out, _ = await proc.communicate()
-    data = json.loads(out)
     t0 = time.time() - (time.perf_counter() - run.start)  # wall clock of the run's start
-    run.health_errors = data["failed"]
-    for wall, ms in data["samples"]:
-        run.health_ms.append(ms)
-        if ms > 50:
-            run.health_slow.append((round(wall - t0, 1), round(ms)))
+
+    async def read() -> None:
+        assert proc.stdout is not None
+        async for line in proc.stdout:
+            wall, ms = map(float, line.split())
+            if ms < 0:
+                run.health_errors += 1
+                continue
+            run.health_ms.append(ms)
+            if ms > 50:
+                run.health_slow.append((round(wall - t0, 1), round(ms)))
+
+    reader = asyncio.create_task(read())
+    await done.wait()
+    if proc.returncode is None:
+        proc.terminate()
+    await proc.wait()
+    await reader
 
 
-def metric(text: str, name: str) -> float:
-    total = 0.0
-    for line in text.splitlines():
-        if line.startswith(name + "{") or line.startswith(name + " "):
-            total += float(line.rsplit(" ", 1)[1])
-    return total
-
-
-async def poll_metrics(url: str, run: Run) -> None:
+async def poll_metrics(url: str, run: Run, done: asyncio.Event, pid: int = 0) -> None:
+    """Queue and running peaks from ``/metrics``, and the RSS of ``pid``, until ``done``."""
     async with httpx.AsyncClient(base_url=url, timeout=10.0, headers={"x-api-key": TOKEN}) as c:
-        while time.perf_counter() < run.drain_until:
+        while not done.is_set():
             try:
                 text = (await c.get("/metrics")).text
                 run.queue_peak = max(run.queue_peak, metric(text, "cairn_queue_depth"))
                 run.running_peak = max(run.running_peak, metric(text, "cairn_running_sequences"))
             except httpx.HTTPError:
                 pass
+            now = time.perf_counter() - run.start
+            if pid and (not run.rss_mb or now - run.rss_mb[-1][0] >= 1.0):
+                run.rss_mb.append((round(now, 1), round(rss_bytes(pid) / 2**20)))
             await asyncio.sleep(0.25)
 
 
-async def load(url: str, model: str, args: argparse.Namespace) -> Run:
+async def load(url: str, model: str, args: argparse.Namespace, *, hostile: bool = False) -> Run:
+    """One phase: the clients until ``--duration``, in-flight requests until ``--drain``.
+
+    The phase ends as soon as every client is done (and, with ``hostile``, the
+    hostile process has reported), so a short drain costs nothing.
+    """
     run = Run()
     start = run.start = time.perf_counter()
     run.stop_at = start + args.duration
     run.drain_until = run.stop_at + args.drain
-    tasks = [client_loop(i, url, model, run, args.seed) for i in range(args.clients)]
-    await asyncio.gather(poll_health(url, run), poll_metrics(url, run), *tasks)
+    done = asyncio.Event()
+    pid = getattr(args, "server_pid", 0)
+    pollers = [poll_health(url, run, done), poll_metrics(url, run, done, pid)]
+    polling = asyncio.gather(*pollers)
+    droppers = not args.hostile  # hostile mode: every normal request should complete
+    tasks = [
+        client_loop(i, url, model, run, args.seed, droppers=droppers) for i in range(args.clients)
+    ]
+    if hostile:
+        tasks.append(run_hostile(url, model, args, run))
+    await asyncio.gather(*tasks)
+    done.set()
+    await polling
+    run.end = time.perf_counter()
     return run
 
 
-# --------------------------------------------------------------------- at rest
-
-
-def wait_rest(url: str, timeout: float = 60.0) -> dict[str, Any]:
-    """Wait until every model is idle; return the engine stats of the first one."""
-    deadline = time.monotonic() + timeout
-    while True:
-        h = httpx.get(url + "/health", headers={"x-api-key": TOKEN}, timeout=10).json()
-        st = h["models"][0].get("stats", {})
-        if st.get("queue_depth") == 0 and st.get("running") == 0 and st.get("waiting") == 0:
-            return st  # type: ignore[no-any-return]
-        if time.monotonic() > deadline:
-            return st  # type: ignore[no-any-return]
-        time.sleep(0.2)
+async def run_hostile(url: str, model: str, args: argparse.Namespace, run: Run) -> None:
+    """bench/hostile.py in its own process for the phase's ``--duration``."""
+    cmd = [
+        sys.executable, str(Path(__file__).with_name("hostile.py")), "--url", url,
+        "--token", TOKEN, "--model", model, "--seconds", str(args.duration),
+        "--clients", str(args.hostile_clients), f"--variants={args.hostile_variants}",
+        "--max-body-mb", str(args.max_body_mb), "--drip-bps", str(args.drip_bps),
+        "--big-count-mb", str(args.big_count_mb), "--pause", str(args.hostile_pause),
+        "--seed", str(args.seed),
+    ]  # fmt: skip
+    proc = await asyncio.create_subprocess_exec(*cmd, stdout=asyncio.subprocess.PIPE)
+    out, _ = await proc.communicate()
+    if proc.returncode != 0:
+        raise RuntimeError(f"bench/hostile.py exited with {proc.returncode}")
+    run.hostile = json.loads(out)
 
 
 def warm_up(url: str, model: str) -> None:
@@ -404,9 +410,9 @@ def auth_timing(url: str, reps: int) -> dict[str, Any]:
     with httpx.Client(base_url=url, timeout=10) as c:
         for _ in range(300):  # interleaved rounds so drift hits every case alike
             for name, tok in cases.items():
-                t = time.perf_counter()
+                t_http = time.perf_counter()
                 r = c.get("/v1/models", headers={"x-api-key": tok})
-                rounds[name].append(1e6 * (time.perf_counter() - t))
+                rounds[name].append(1e6 * (time.perf_counter() - t_http))
                 assert r.status_code == 401
     over_http = {k: statistics.median(v) for k, v in rounds.items()}
     return {"in_process_ns": inproc, "http_us": over_http}
@@ -426,6 +432,7 @@ def report(run: Run, extra: dict[str, Any], args: argparse.Namespace) -> dict[st
     kinds = Counter(r.kind for r in run.results)
     done = [r for r in run.results if r.kind == "completed"]
     ttft = [r.ttft for r in run.results if r.ttft is not None]
+    latency = [r.latency for r in done if r.latency is not None]
     tps = [
         (r.output_tokens - 1) / r.decode_s for r in done if r.decode_s > 0 and r.output_tokens > 1
     ]
@@ -442,12 +449,17 @@ def report(run: Run, extra: dict[str, Any], args: argparse.Namespace) -> dict[st
         "errors": errors,
         "ttft_p50_s": pct(ttft, 50),
         "ttft_p99_s": pct(ttft, 99),
+        "latency_p50_s": pct(latency, 50),
+        "latency_p99_s": pct(latency, 99),
+        "phase_s": run.end - run.start,
         "tok_s_per_stream_p50": pct(tps, 50),
         "tok_s_per_stream_p99_low": pct(tps, 1),
         "tokens_out": sum(r.output_tokens for r in done),
         "aggregate_tok_s": sum(r.output_tokens for r in done) / args.duration,
         "queue_peak": run.queue_peak,
         "running_peak": run.running_peak,
+        "rss_peak_mb": max((mb for _, mb in run.rss_mb), default=float("nan")),
+        "rss_trace_mb": run.rss_mb[::5],
         "health_p50_ms": pct(run.health_ms, 50),
         "health_p99_ms": pct(run.health_ms, 99),
         "health_max_ms": max(run.health_ms, default=float("nan")),
@@ -487,11 +499,61 @@ def markdown(r: dict[str, Any]) -> str:
     return "| figure | value |\n| --- | --- |\n" + "\n".join(lines)
 
 
+def hostile_phases(
+    url: str,
+    model: str,
+    proc: subprocess.Popen[bytes],
+    args: argparse.Namespace,
+    extra: dict[str, Any],
+) -> dict[str, Any]:
+    """Baseline phase, then the same load with the hostile mix; the figures of both."""
+    rss_warm = rss_bytes(proc.pid)
+    extra["rss_warm_mb"] = rss_warm / 2**20
+    extra["sockets_warm"] = server_sockets(proc.pid)
+    offset = Path(args.server_log).stat().st_size
+    phases: dict[str, Any] = {}
+    for name, hostile in (("baseline", False), ("hostile", True)):
+        before = status_counts(url)
+        load_start = os.getloadavg()[0]
+        print(f"{name} phase ({args.duration:g} s + up to {args.drain:g} s)", file=sys.stderr)
+        run = asyncio.run(load(url, model, args, hostile=hostile))
+        rest = rest_check(url)
+        time.sleep(1.0)  # let the last connections close before counting sockets
+        rss = rss_bytes(proc.pid)
+        statuses = status_counts(url) - before
+        offset, log = server_log_since(args.server_log, offset)
+        fig = report(run, {}, args)
+        fig.update(
+            at_rest=rest,
+            rss_rest_mb=rss / 2**20,
+            rss_change_pct=100.0 * (rss - rss_warm) / rss_warm,
+            sockets_rest=server_sockets(proc.pid),
+            server_statuses=dict(sorted(statuses.items())),
+            server_log=log,
+            load_avg_start_end=(load_start, os.getloadavg()[0]),
+            hostile=run.hostile,
+        )
+        phases[name] = fig
+    return phases
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--clients", type=int, default=64)
-    p.add_argument("--duration", type=float, default=100.0, help="seconds of load")
-    p.add_argument("--drain", type=float, default=20.0, help="seconds for in-flight requests after")
+    p.add_argument(
+        "--clients", type=int, default=None, help="normal clients (64; 16 with --hostile)"
+    )
+    p.add_argument(
+        "--duration",
+        type=float,
+        default=None,
+        help="seconds of load (100; per phase, 60, with --hostile)",
+    )
+    p.add_argument(
+        "--drain",
+        type=float,
+        default=None,
+        help="seconds for in-flight requests after (20; 30 with --hostile)",
+    )
     p.add_argument("--model", default=None, help="model for cairn serve (default: embedded)")
     p.add_argument("--kv-cache-gb", type=float, default=None)
     p.add_argument("--max-queue", type=int, default=128)
@@ -500,11 +562,47 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--auth-reps", type=int, default=20000)
     p.add_argument("--server-log", default="/tmp/cairn-load-server.log")
     p.add_argument("--json", default=None, help="also write the figures to this file")
-    args = p.parse_args(argv)
+    g = p.add_argument_group("hostile mode (bench/hostile.py)")
+    g.add_argument(
+        "--hostile",
+        action="store_true",
+        help="a baseline phase, then the same load with hostile clients beside it",
+    )
+    g.add_argument("--hostile-clients", type=int, default=0, help="default: one per variant")
+    g.add_argument(
+        "--hostile-variants",
+        default="",
+        help="kinds or variants, comma-separated; -name drops one (write --hostile-variants=-name)",
+    )
+    g.add_argument("--hostile-pause", type=float, default=1.0, help="seconds between attempts")
+    g.add_argument(
+        "--big-count-mb", type=float, default=2.0, help="size of the big count_tokens body"
+    )
+    g.add_argument("--drip-bps", type=float, default=2.0, help="bytes/s of the slow clients")
+    g.add_argument(
+        "--header-timeout", type=float, default=None, help="for cairn serve (5 with --hostile)"
+    )
+    g.add_argument(
+        "--body-timeout", type=float, default=None, help="for cairn serve (5 with --hostile)"
+    )
+    g.add_argument(
+        "--max-body-mb", type=float, default=None, help="for cairn serve (32 with --hostile)"
+    )
+    args = p.parse_args(argv)  # fmt: skip
+    defaults: dict[str, float] = {"clients": 64, "duration": 100.0, "drain": 20.0}
+    if args.hostile:
+        defaults = {
+            "clients": 16, "duration": 60.0, "drain": 30.0,
+            "header_timeout": 5.0, "body_timeout": 5.0, "max_body_mb": 32.0,
+        }  # fmt: skip
+    for k, v in defaults.items():
+        if getattr(args, k) is None:
+            setattr(args, k, type(v)(v))
 
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     proc = start_server(args, port)
+    args.server_pid = proc.pid
     try:
         wait_ready(url, proc)
         model = httpx.get(url + "/v1/models", headers={"x-api-key": TOKEN}).json()["data"][0]["id"]
@@ -514,27 +612,21 @@ def main(argv: list[str] | None = None) -> int:
         t = time.perf_counter()
         warm_up(url, model)
         print(f"warm-up done in {time.perf_counter() - t:.1f}s", file=sys.stderr)
-        rss_warm = rss_bytes(proc.pid)
-        run = asyncio.run(load(url, model, args))
-        rest = wait_rest(url)
-        rss_rest = rss_bytes(proc.pid)
-        extra.update(
-            at_rest={
-                k: rest.get(k)
-                for k in (
-                    "queue_depth",
-                    "running",
-                    "waiting",
-                    "blocks_in_use",
-                    "blocks_free",
-                    "blocks_cached",
-                )
-            },
-            rss_warm_mb=rss_warm / 2**20,
-            rss_rest_mb=rss_rest / 2**20,
-            rss_change_pct=100.0 * (rss_rest - rss_warm) / rss_warm,
-        )
-        out = report(run, extra, args)
+        if args.hostile:
+            phases = hostile_phases(url, model, proc, args, extra)  # adds to extra
+            out = {**extra, "phases": phases}
+        else:
+            rss_warm = rss_bytes(proc.pid)
+            run = asyncio.run(load(url, model, args))
+            rest = rest_check(url)
+            rss_rest = rss_bytes(proc.pid)
+            extra.update(
+                at_rest=rest,
+                rss_warm_mb=rss_warm / 2**20,
+                rss_rest_mb=rss_rest / 2**20,
+                rss_change_pct=100.0 * (rss_rest - rss_warm) / rss_warm,
+            )
+            out = report(run, extra, args)
     finally:
         proc.send_signal(signal.SIGTERM)
         try:
@@ -542,16 +634,29 @@ def main(argv: list[str] | None = None) -> int:
         except subprocess.TimeoutExpired:
             proc.kill()
     out["server_exit_code"] = proc.returncode
-    print(markdown(out))
+    print(markdown_phases(out) if args.hostile else markdown(out))
     print(json.dumps(out, indent=1, default=str), file=sys.stderr)
     if args.json:
         Path(args.json).write_text(json.dumps(out, indent=1, default=str))
-    ok = (
-        not out["errors"]
-        and out["at_rest"]["blocks_in_use"] == 0
-        and out["at_rest"]["queue_depth"] == 0
-        and abs(out["rss_change_pct"]) <= 10
-    )
+    if args.hostile:
+        figs = list(out["phases"].values())
+        unexpected = any(
+            v["unexpected"] for v in out["phases"]["hostile"]["hostile"]["variants"].values()
+        )
+        ok = not unexpected and all(
+            not_clean(f) == 0
+            and f["at_rest"]["blocks_in_use"] == 0
+            and f["at_rest"]["queue_depth"] == 0
+            and abs(f["rss_change_pct"]) <= 10
+            for f in figs
+        )
+    else:
+        ok = (
+            not out["errors"]
+            and out["at_rest"]["blocks_in_use"] == 0
+            and out["at_rest"]["queue_depth"] == 0
+            and abs(out["rss_change_pct"]) <= 10
+        )
     return 0 if ok else 1
 
 
