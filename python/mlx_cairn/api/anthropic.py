@@ -19,6 +19,7 @@ from mlx_cairn.protocol.anthropic import (
     parse_messages_request,
 )
 from mlx_cairn.protocol.anthropic_stream import AnthropicCodec, error_payload
+from mlx_cairn.protocol.base import check_depth
 
 
 def _error_body(status: int, kind: str, message: str, param: str | None) -> dict[str, Any]:
@@ -84,7 +85,9 @@ async def create_message(request: Request) -> Response:
 async def count_tokens(request: Request) -> Response:
     """``{"input_tokens": N}``, N equal to the usage the same request would report."""
     state = app_state(request)
-    areq = parse_count_tokens_request(await read_json(request))
+    body = await read_json(request)
+    check_depth(body)
+    areq = parse_count_tokens_request(body)
     sm = await state.registry.get(areq.model)
     n = await asyncio.to_thread(count_prompt_tokens, sm, areq.chat)
     return json_response({"input_tokens": n})

@@ -41,7 +41,7 @@ from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
 from mlx_cairn.api.dialects import Dialect, error_response
-from mlx_cairn.api.metrics import observe_event
+from mlx_cairn.api.metrics import CLIENT_GONE_SCOPE_KEY, observe_event
 from mlx_cairn.api.registry import ServedModel
 from mlx_cairn.api.state import AppState, app_state, read_json
 from mlx_cairn.errors import ContextLengthExceeded, error_kind
@@ -203,6 +203,8 @@ class GenerationResponse(Response):
                 await self._run_json(scope, receive, send, watcher)
         except _Disconnected:
             log.info("client disconnected; generation cancelled")
+            if not self.stream:  # nothing was sent: /metrics counts a 499, not a 500
+                scope[CLIENT_GONE_SCOPE_KEY] = True
             observe_event(scope, self.gen.model.name, Error("disconnected", "client went away"))
         finally:
             watcher.cancel()

@@ -36,7 +36,7 @@ from collections.abc import Iterable
 from functools import lru_cache
 from typing import Any
 
-from mlx_cairn.chat.tokenizer import Tokenizer
+from mlx_cairn.chat.tokenizer import Tokenizer, encode_off_gil
 from mlx_cairn.errors import InvalidRequest
 
 #: Markers are single characters of Supplementary Private Use Area-B
@@ -165,7 +165,7 @@ def encode_rendered(
     ``tokenizer.encode(marks.restore(text))`` except in runs holding
     request text with special-token text, which are read as plain text.
     """
-    enc = tokenizer.hf.encode(text, add_special_tokens=False)
+    enc = encode_off_gil(tokenizer.hf, text)
     ids: list[int] = enc.ids
     specials = set(tokenizer.special_tokens.values())
     where = [i for i, t in enumerate(ids) if t in specials]

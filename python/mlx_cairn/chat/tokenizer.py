@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 from collections.abc import Iterable
 from pathlib import Path
+from typing import Any
 
 from tokenizers import Tokenizer as HFTokenizer
 
@@ -69,7 +70,7 @@ class Tokenizer:
         that came from a request use :meth:`encode_plain` (or
         :func:`mlx_cairn.chat.build_prompt`, which keeps the two apart).
         """
-        return list(self.hf.encode(text, add_special_tokens=add_special_tokens).ids)
+        return list(encode_off_gil(self.hf, text, add_special_tokens=add_special_tokens).ids)
 
     def encode_plain(self, text: str) -> list[int]:
         """Token ids of ``text`` with special-token strings read as ordinary text.
@@ -83,7 +84,7 @@ class Tokenizer:
         if plain is None:
             plain = _plain_copy(self.hf, set(specials))
             self._plain = plain
-        return list(plain.encode(text, add_special_tokens=False).ids)
+        return list(encode_off_gil(plain, text).ids)
 
     @property
     def special_tokens(self) -> dict[str, int]:
@@ -138,6 +139,19 @@ def _plain_copy(hf: HFTokenizer, specials: set[str]) -> HFTokenizer:
     plain = HFTokenizer.from_str(json.dumps(spec))
     plain.encode_special_tokens = True
     return plain
+
+
+#: Characters above which encoding releases the GIL (a few ms of work).
+RELEASE_GIL_CHARS = 4096
+
+
+def encode_off_gil(hf: HFTokenizer, text: str, *, add_special_tokens: bool = False) -> Any:
+    """``hf.encode(text)``, but for long texts through ``encode_batch``, which
+    releases the GIL: ``encode`` holds it for the whole call, and a 2 MB prompt
+    stopped the event loop and the engine thread for seconds."""
+    if len(text) < RELEASE_GIL_CHARS:
+        return hf.encode(text, add_special_tokens=add_special_tokens)
+    return hf.encode_batch([text], add_special_tokens=add_special_tokens)[0]
 
 
 class IncrementalDetokenizer:
