@@ -194,12 +194,20 @@ class Gate:
             await self._gone(scope, ex)
 
     async def _too_large(self, scope: Scope, ex: _Exchange) -> None:
-        resp = error_response(
-            self.dialects.for_scope(scope),
+        await self._refuse(
+            scope,
+            ex,
             413,
             "too_large",
             f"request body is larger than the server limit of {self.max_body} bytes",
-            headers={"Connection": "close"},
+        )
+
+    async def _refuse(
+        self, scope: Scope, ex: _Exchange, status: int, kind: str, message: str
+    ) -> None:
+        """Answer an error and close the connection (the body is not read on)."""
+        resp = error_response(
+            self.dialects.for_scope(scope), status, kind, message, headers={"Connection": "close"}
         )
         await resp(scope, ex.receive, ex.send)
 
@@ -208,14 +216,13 @@ class Gate:
         method = log_safe(str(scope.get("method", "")))
         path = log_safe(str(scope.get("path", "")))
         if ex.timed_out:
-            resp = error_response(
-                self.dialects.for_scope(scope),
+            await self._refuse(
+                scope,
+                ex,
                 408,
                 "timeout",
                 f"request body made no progress for {self.body_timeout:g} seconds",
-                headers={"Connection": "close"},
             )
-            await resp(scope, ex.receive, ex.send)
             return
         scope[CLIENT_GONE_SCOPE_KEY] = True
         log.debug("%s %s: the client disconnected while sending its body", method, path)
