@@ -4,11 +4,14 @@ Stored responses (``store`` true, the default) live in memory in a bounded
 :class:`ResponseStore`, one per app, so that ``previous_response_id`` can
 continue a conversation:
 
-- at most :data:`MAX_STORED_RESPONSES` (1000) responses; storing one more
-  drops the oldest;
+- at most :data:`MAX_STORED_RESPONSES` (1000) responses and
+  :data:`MAX_STORED_RESPONSE_BYTES` (256 MiB, counted as the JSON size of
+  each one's conversation and body); storing one more drops the oldest until
+  it fits, and one larger than the whole bound is not stored at all (the
+  response itself is the same; its id is a 404 later, as an evicted one's);
 - each for at most :data:`STORED_RESPONSE_TTL_S` (3600 s, one hour) after it
   was stored; an older one is gone;
-- an unknown, expired or deleted id is a 404 ``not_found_error`` naming
+- an unknown, expired, evicted or deleted id is a 404 ``not_found_error`` naming
   ``previous_response_id``; ``store: false`` keeps nothing;
 - only responses that finished (completed, or incomplete at
   ``max_output_tokens``) are stored; nothing survives a restart.
@@ -26,6 +29,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+import orjson
 from fastapi import APIRouter, Request
 from starlette.responses import Response
 
@@ -41,12 +45,15 @@ from mlx_cairn.protocol.openai_responses import (
     parse_responses_request,
 )
 from mlx_cairn.protocol.openai_responses_stream import ResponsesCodec
+from mlx_cairn.protocol.sse import json_bytes
 from mlx_cairn.types import Message
 
 #: Most responses kept for ``previous_response_id`` (the oldest goes first).
 MAX_STORED_RESPONSES = 1000
 #: Seconds a stored response stays available.
 STORED_RESPONSE_TTL_S = 3600.0
+#: Most bytes of stored responses (JSON size of conversations + bodies).
+MAX_STORED_RESPONSE_BYTES = 256 * 1024 * 1024
 
 DIALECT = Dialect(
     name="openai-responses",
@@ -65,24 +72,38 @@ class StoredResponse:
     messages: list[Message]
     body: dict[str, Any]
     stored_at: float
+    #: What it counts against the store's byte bound.
+    size: int = 0
 
 
 class ResponseStore:
-    """Finished responses by id, bounded by count and age (see the module doc)."""
+    """Finished responses by id, bounded by count, bytes and age (see the module doc)."""
 
     def __init__(
         self,
         max_items: int = MAX_STORED_RESPONSES,
         ttl_s: float = STORED_RESPONSE_TTL_S,
         clock: Callable[[], float] = time.monotonic,
+        max_bytes: int = MAX_STORED_RESPONSE_BYTES,
     ) -> None:
-        if max_items < 1 or ttl_s <= 0:
-            raise ValueError("the response store needs max_items >= 1 and ttl_s > 0")
+        if max_items < 1 or ttl_s <= 0 or max_bytes < 1:
+            raise ValueError(
+                "the response store needs max_items >= 1, max_bytes >= 1 and ttl_s > 0"
+            )
         self.max_items = max_items
+        self.max_bytes = max_bytes
         self.ttl_s = ttl_s
         self.clock = clock
         self._items: OrderedDict[str, StoredResponse] = OrderedDict()
+        self._bytes = 0
         self._lock = threading.Lock()
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes counted for what is stored now."""
+        with self._lock:
+            self._expire()
+            return self._bytes
 
     def __len__(self) -> int:
         with self._lock:
@@ -95,16 +116,29 @@ class ResponseStore:
             rid, first = next(iter(self._items.items()))
             if first.stored_at > cutoff:
                 break
-            del self._items[rid]
+            self._drop(rid)
+
+    def _drop(self, rid: str) -> None:
+        gone = self._items.pop(rid, None)
+        if gone is not None:
+            self._bytes -= gone.size
 
     def put(self, rid: str, messages: list[Message], body: dict[str, Any]) -> None:
-        """Keep a finished response; the oldest ones go beyond ``max_items``."""
+        """Keep a finished response; the oldest ones go beyond ``max_items`` or ``max_bytes``.
+
+        A response larger than ``max_bytes`` on its own is not kept (nor
+        does it evict anything).
+        """
+        size = len(orjson.dumps(messages)) + len(json_bytes(body))
         with self._lock:
             self._expire()
-            self._items[rid] = StoredResponse(messages, body, self.clock())
-            self._items.move_to_end(rid)
-            while len(self._items) > self.max_items:
-                self._items.popitem(last=False)
+            self._drop(rid)
+            if size > self.max_bytes:
+                return
+            self._items[rid] = StoredResponse(messages, body, self.clock(), size)
+            self._bytes += size
+            while len(self._items) > self.max_items or self._bytes > self.max_bytes:
+                self._drop(next(iter(self._items)))
 
     def get(self, rid: str, param: str | None = None) -> StoredResponse:
         """The stored response ``rid``; ResponseNotFound (404) if unknown or expired."""
@@ -113,8 +147,9 @@ class ResponseStore:
             hit = self._items.get(rid)
         if hit is None:
             raise ResponseNotFound(
-                f"response {rid!r} not found (unknown, expired after "
-                f"{self.ttl_s:g}s, or evicted beyond {self.max_items} stored responses)",
+                f"response {rid!r} not found (unknown, expired after {self.ttl_s:g}s, "
+                f"or evicted beyond {self.max_items} stored responses or "
+                f"{self.max_bytes / 2**20:g} MiB)",
                 param=param,
             )
         return hit
@@ -123,7 +158,7 @@ class ResponseStore:
         """Forget ``rid`` (ResponseNotFound if it is not there)."""
         self.get(rid)
         with self._lock:
-            self._items.pop(rid, None)
+            self._drop(rid)
 
 
 def _store_of(state: AppState) -> ResponseStore:

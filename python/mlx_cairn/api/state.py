@@ -11,6 +11,7 @@ import orjson
 from starlette.requests import Request
 from starlette.responses import Response
 
+from mlx_cairn import heavy
 from mlx_cairn.api.connection import DEFAULT_BODY_TIMEOUT, DEFAULT_HEADER_TIMEOUT
 from mlx_cairn.api.dialects import DialectSet
 from mlx_cairn.api.registry import ModelRegistry
@@ -79,11 +80,19 @@ def app_state(request: Request) -> AppState:
 
 
 async def read_json(request: Request) -> Any:
-    """The request body as JSON; invalid JSON or UTF-8 is a 400."""
+    """The request body as JSON; invalid JSON or UTF-8 is a 400.
+
+    A large body (``LARGE_BYTES``, 1 MiB, or more) is decoded in a worker
+    thread once :data:`mlx_cairn.heavy.GATE` has a slot for it, so the event
+    loop never waits on it and only a few decode at once; small ones are
+    decoded in place (tens of microseconds).
+    """
     raw = await request.body()
     if not raw:
         raise InvalidRequest("request body is empty; expected a JSON object")
     try:
+        if heavy.is_large(len(raw)):
+            return await heavy.GATE.run(orjson.loads, raw)
         return orjson.loads(raw)
     except orjson.JSONDecodeError as e:
         raise InvalidRequest(f"request body is not valid JSON: {e}") from None

@@ -1,12 +1,24 @@
-"""Request validation and tokenization, run on the caller's thread before any model work."""
+"""Request validation and tokenization, run on the caller's thread before any model work.
+
+A large request (:data:`mlx_cairn.heavy.LARGE_BYTES` of text or more) is
+rendered and tokenized under :data:`mlx_cairn.heavy.GATE`, so only a few run
+at once, and one that cannot fit is refused on a cheap lower bound of its
+size (:mod:`mlx_cairn.engine.prompt_bound`) before it is tokenized.
+"""
 
 from __future__ import annotations
 
+import contextlib
 import math
 import secrets
 from dataclasses import replace
 from typing import Any
 
+import orjson
+
+from mlx_cairn import heavy
+from mlx_cairn.chat.prompt import template_kwargs
+from mlx_cairn.engine.prompt_bound import vocab_bound
 from mlx_cairn.engine.sequence import PreparedRequest
 from mlx_cairn.errors import ContextLengthExceeded, InvalidRequest
 from mlx_cairn.types import (
@@ -46,16 +58,75 @@ def _finite(x: Any) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
 
 
-def render(loaded: Any, request: ChatRequest) -> Any:
-    """Render ``request`` through the chat template and tokenize it (no size checks)."""
+def render(
+    loaded: Any,
+    request: ChatRequest,
+    *,
+    limit: int | None = None,
+    what: str = "the model's context",
+) -> Any:
+    """Render ``request`` through the chat template and tokenize it.
+
+    Without ``limit`` nothing is checked: the prompt is counted exactly,
+    however long (``count_tokens``). With ``limit``, a large request whose
+    rendered text alone proves more than ``limit`` tokens raises
+    ContextLengthExceeded before it is tokenized; its ``prompt_tokens`` is
+    that proven lower bound (exact counts are kept for the prompts that are
+    tokenized, which every prompt under ``LARGE_BYTES`` is).
+
+    Large requests run on :data:`mlx_cairn.heavy.GATE` (QueueFull when too
+    many threads wait for it); small ones go straight through.
+    """
     if not request.messages:
         raise InvalidRequest("messages must not be empty", param="messages")
+    if not heavy.is_large(request_text_size(request)):
+        return _render(loaded, request)
+    return heavy.GATE.call(_render_large, loaded, request, limit, what)
+
+
+def _render_large(loaded: Any, request: ChatRequest, limit: int | None, what: str) -> Any:
+    if limit is not None:
+        bound = vocab_bound(loaded.tokenizer)
+        if bound is not None:
+            n = bound.lower_bound(_render(loaded, request, text_only=True))
+            if n > limit:
+                raise ContextLengthExceeded(prompt_tokens=n, limit=limit, what=what)
+    return _render(loaded, request)
+
+
+def _render(loaded: Any, request: ChatRequest, *, text_only: bool = False) -> Any:
+    """The Prompt of ``request``, or with ``text_only`` just its text (not tokenized)."""
     try:
-        return loaded.prompt(request)
+        if not text_only:
+            return loaded.prompt(request)
+        # The text build_prompt renders (tools only when they may be called).
+        tools = request.tools if request.tools and request.tool_choice != "none" else None
+        return loaded.template.render(
+            request.messages,
+            tools,
+            add_generation_prompt=True,
+            **template_kwargs(request, loaded.reasoning),
+        )
     except (InvalidRequest, ContextLengthExceeded):
         raise
     except Exception as e:
         raise InvalidRequest(f"could not render the chat template: {e}", param="messages") from e
+
+
+def request_text_size(request: ChatRequest) -> int:
+    """About how many characters of text ``request`` brings to its prompt (cheap: no render)."""
+    n = 0
+    for m in request.messages:
+        n += len(m.content) + len(m.reasoning or "") + len(m.name or "")
+        n += sum(len(c.name) + len(c.arguments) for c in m.tool_calls)
+    for t in request.tools:
+        n += len(t.name) + len(t.description)
+        with contextlib.suppress(TypeError):
+            n += len(orjson.dumps(t.parameters))
+    for v in request.template_kwargs.values():
+        if isinstance(v, str):
+            n += len(v)
+    return n
 
 
 def prepare(
@@ -89,16 +160,16 @@ def prepare(
                 param="stop",
             )
     sampling = validate_sampling(request.sampling)
-    prompt = render(loaded, request)
-    n = len(prompt.ids)
-    if n == 0:
-        raise InvalidRequest("the rendered prompt is empty", param="messages")
     limit = min(context_length, max_tokens_capacity)
     what = (
         "the model's context"
         if limit == context_length
         else "the KV cache capacity; start the server with a larger KV cache"
     )
+    prompt = render(loaded, request, limit=limit, what=what)
+    n = len(prompt.ids)
+    if n == 0:
+        raise InvalidRequest("the rendered prompt is empty", param="messages")
     if n > limit:
         raise ContextLengthExceeded(prompt_tokens=n, limit=limit, what=what)
     if clamp_max_tokens and limit - n < mt:
