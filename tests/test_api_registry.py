@@ -72,5 +72,5 @@ def test_load_failures_are_remembered_and_isolated() -> None:
         asyncio.run(reg.get("broken"))
     sm = asyncio.run(reg.get("small"))
     assert sm.engine is not None
-    assert reg.resolve("loaded-/m/small.gguf") is sm  # the loader's own name is served too
+    assert reg.resolve("loaded-/m/small.gguf") is sm.served  # the loader's own name too
     reg.load_all()  # logs the broken one, does not raise

@@ -64,7 +64,7 @@ def test_each_model_is_its_listing_entry(client: TestClient, headers: dict[str, 
 
 def test_model_shapes(client: TestClient) -> None:
     a = client.get("/v1/models/scripted", headers=ANTHROPIC).json()
-    assert set(a) == {"type", "id", "display_name", "created_at"}
+    assert set(a) == {"type", "id", "display_name", "created_at", "loaded"}
     assert a["type"] == "model" and a["id"] == "scripted" and a["created_at"].endswith("Z")
     o = client.get("/v1/models/scripted", headers=KEY).json()
     assert o == {
@@ -72,6 +72,7 @@ def test_model_shapes(client: TestClient) -> None:
         "object": "model",
         "created": o["created"],
         "owned_by": "mlx-cairn",
+        "loaded": o["loaded"],
     }
 
 
@@ -85,6 +86,7 @@ def test_model_ids_resolve_like_generation_requests(client: TestClient) -> None:
             "object": "model",
             "created": created,
             "owned_by": "mlx-cairn",
+            "loaded": r.json()["loaded"],
         }
     # Without --default-model, a claude-* name no alias matches is unknown.
     r = client.get("/v1/models/claude-sonnet-4-5", headers=ANTHROPIC)

@@ -118,7 +118,7 @@ def tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def test_a_kv_cache_that_cannot_serve_exits_2_after_loading_before_serving(tiny_dir, gb):
     # 0.0001 GiB: a few blocks, fewer tokens than any request needs; 1e-9: not
     # one block; 100000: more than this machine has.
-    r = serve("--kv-cache-gb", gb, "--port", str(free_port()), model=str(tiny_dir))
+    r = serve("--kv-cache-gb", gb, "--preload", "--port", str(free_port()), model=str(tiny_dir))
     assert r.returncode == 2, (r.returncode, r.stderr[-2000:])
     line = next(ln for ln in r.stderr.splitlines() if ln.startswith("cairn serve: "))
     assert f"--kv-cache-gb {float(gb):g}" in line, r.stderr

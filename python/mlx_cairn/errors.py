@@ -18,12 +18,15 @@ timeout           408     invalid_request_error      invalid_request_error  requ
 too_large         413     request_too_large          invalid_request_error  request_too_large
 rate_limit        429     rate_limit_error           rate_limit_error       rate_limit_exceeded
 overloaded        529     overloaded_error           server_error           overloaded
+unavailable       503     overloaded_error           server_error           model_unavailable
 internal          500     api_error                  server_error
 model_load        500     api_error                  server_error
 ================  ======  =========================  =====================  =======================
 
 A kind not in the table is ``internal``. A full request queue is
-``rate_limit`` (429 with ``Retry-After``: clients back off and retry).
+``rate_limit`` (429 with ``Retry-After``: clients back off and retry); a model
+that cannot be loaded because nothing can be unloaded is ``unavailable`` (503
+with ``Retry-After``).
 """
 
 from __future__ import annotations
@@ -56,6 +59,7 @@ ERROR_KINDS: dict[str, ErrorKind] = {
     "too_large": ErrorKind(413, "request_too_large", "invalid_request_error", "request_too_large"),
     "rate_limit": ErrorKind(429, "rate_limit_error", "rate_limit_error", "rate_limit_exceeded"),
     "overloaded": ErrorKind(529, "overloaded_error", "server_error", "overloaded"),
+    "unavailable": ErrorKind(503, "overloaded_error", "server_error", "model_unavailable"),
     "internal": ErrorKind(500, "api_error", "server_error"),
     "model_load": ErrorKind(500, "api_error", "server_error"),
 }
@@ -173,6 +177,16 @@ class QueueFull(CairnError):
 
 class ModelLoadError(CairnError):
     kind = "model_load"
+
+
+class ModelUnavailable(CairnError):
+    """A model cannot be loaded now: no room, and every loaded model is pinned or busy."""
+
+    kind = "unavailable"
+
+    def __init__(self, message: str, *, retry_after: float = 5.0) -> None:
+        super().__init__(message)
+        self.retry_after = retry_after
 
 
 class EngineError(CairnError):

@@ -247,23 +247,20 @@ async def health(request: Request) -> Response:
     state = app_state(request)
     models: list[dict[str, Any]] = []
     for sm in state.registry.models:
-        entry: dict[str, Any] = {
-            "name": sm.name,
-            "names": list(sm.names),
-            "loaded": sm.engine is not None,
-        }
-        if sm.error is not None:
-            entry["error"] = sm.error
-        if sm.engine is not None:
-            entry["stats"] = await asyncio.to_thread(sm.engine.stats)
+        # State, memory, last use, load time, download progress (registry.ServedModel.describe).
+        entry: dict[str, Any] = sm.describe()
+        engine = sm.engine
+        if engine is not None:
+            entry["stats"] = await asyncio.to_thread(engine.stats)
         models.append(entry)
     return json_response({"status": "ok", "version": __version__, "models": models})
 
 
 async def list_models(request: Request) -> Response:
-    """``GET /v1/models`` in the shape of the caller's dialect."""
+    """``GET /v1/models`` in the shape of the caller's dialect, with ``loaded`` on each entry."""
     state = app_state(request)
-    return json_response(_models_body(state.dialects, request.scope)(state.registry.listing()))
+    infos = state.registry.listing()
+    return json_response(_with_loaded(_models_body(state.dialects, request.scope)(infos), infos))
 
 
 async def get_model(request: Request, model_id: str) -> Response:
@@ -274,7 +271,16 @@ async def get_model(request: Request, model_id: str) -> Response:
     """
     state = app_state(request)
     info = state.registry.info(model_id)
-    return json_response(_models_body(state.dialects, request.scope)([info])["data"][0])
+    body = _with_loaded(_models_body(state.dialects, request.scope)([info]), [info])
+    return json_response(body["data"][0])
+
+
+def _with_loaded(body: dict[str, Any], infos: list[Any]) -> dict[str, Any]:
+    """Add ``loaded`` (bool) to each entry of either shape: every name that can be
+    served is listed, loaded or not (it loads on the first request that names it)."""
+    for entry, info in zip(body["data"], infos, strict=True):
+        entry["loaded"] = bool(info.loaded)
+    return body
 
 
 def _models_body(

@@ -12,6 +12,10 @@ Families (``model`` is a served model's primary name)::
     cairn_time_per_output_token_seconds{model}           histogram  (per request mean)
     cairn_generations_total{model,outcome}               counter    (stop reason or error kind)
     cairn_model_loaded{model}                            gauge      (0 = not loaded or failed)
+    cairn_model_memory_bytes{model}                      gauge      (weights + KV pool; 0 unloaded)
+    cairn_model_last_used_timestamp_seconds{model}       gauge      (0 = never used)
+    cairn_model_load_seconds{model}                      gauge      (its last load)
+    cairn_model_loads_total{model}, cairn_model_unloads_total{model}   counters
     cairn_queue_depth{model}                             gauge      (waiting for admission)
     cairn_running_sequences{model}                       gauge
     cairn_kv_blocks{model,state="free|cached|in_use"}    gauge      (cached: hashed, free or not)
@@ -149,10 +153,24 @@ class _EngineCollector:
         outcomes = counter(
             "cairn_engine_requests", "Engine requests by outcome.", ["model", "outcome"]
         )
+        memory = gauge(
+            "cairn_model_memory_bytes", "Weights + KV pool of a loaded model.", ["model"]
+        )
+        last_used = gauge(
+            "cairn_model_last_used_timestamp_seconds", "When a request last used it.", ["model"]
+        )
+        load_s = gauge("cairn_model_load_seconds", "Duration of its last load.", ["model"])
+        loads = counter("cairn_model_loads", "Loads that succeeded.", ["model"])
+        unloads = counter("cairn_model_unloads", "Unloads (LRU, idle or explicit).", ["model"])
         for sm in self.models.models:
             name = sm.name
             engine = sm.engine
             loaded.add_metric([name], 1.0 if engine is not None else 0.0)
+            memory.add_metric([name], float(sm.memory_bytes) if engine is not None else 0.0)
+            last_used.add_metric([name], float(getattr(sm, "last_used", None) or 0.0))
+            load_s.add_metric([name], float(getattr(sm, "load_seconds", None) or 0.0))
+            loads.add_metric([name], float(getattr(sm, "loads", 0)))
+            unloads.add_metric([name], float(getattr(sm, "unloads", 0)))
             if engine is None:
                 continue
             st = engine.stats()
@@ -167,6 +185,7 @@ class _EngineCollector:
             for outcome in ("completed", "failed", "cancelled"):
                 outcomes.add_metric([name, outcome], _num(st.get(f"requests_{outcome}")))
         yield from (loaded, queue, running, blocks, total, hits, generated, preempt, outcomes)
+        yield from (memory, last_used, load_s, loads, unloads)
 
 
 def _num(v: Any) -> float:

@@ -5,7 +5,9 @@ Start-up order, so that a mistake costs no model load::
     parse flags      numeric flags are range-checked by their argparse types
     build()          --context-length, token, aliases, names: ServeError
     bind_sockets()   the port is taken now (busy: ServeError)
-    load models      then the KV pool of each is checked against --kv-cache-gb
+    preload models   the embedded default (no --model / --models-dir) and, with
+                     --preload, every model; then each KV pool is checked
+                     against --kv-cache-gb. Other models load on first request.
     uvicorn          on the sockets bound above
 
 Every refusal is one line naming the flag, and exit status 2.
@@ -29,7 +31,7 @@ from types import FrameType
 from typing import Any
 
 from mlx_cairn.api.connection import DEFAULT_BODY_TIMEOUT, DEFAULT_HEADER_TIMEOUT, http_protocol
-from mlx_cairn.api.registry import ModelRegistry
+from mlx_cairn.api.registry import DEFAULT_LOAD_WAIT, ModelRegistry
 from mlx_cairn.api.state import (
     DEFAULT_MAX_BODY_BYTES,
     DEFAULT_MAX_TOKENS_LIMIT,
@@ -219,17 +221,28 @@ def build(
             problem = kv_pool_problem(
                 loaded.name, engine.stats(), engine.context_length, args.kv_cache_gb
             )
+            if problem is not None and registry.serving.is_set():
+                # Loaded on a request: that request (and its waiters) get the reason.
+                engine.close()
+                raise ValueError(problem)
             if problem is not None:
                 problems.append(problem)
         return engine
 
-    sources: list[str | None] = list(args.model) if args.model else [None]
+    models_dir = getattr(args, "models_dir", None)
+    sources: list[str | None] = list(args.model) if args.model or models_dir else [None]
     try:
         registry = ModelRegistry(
             sources,
             aliases=parse_aliases(args.alias),
             default_model=args.default_model,
             engine_factory=engine_factory,
+            models_dir=models_dir,
+            max_loaded=getattr(args, "max_loaded_models", None),
+            memory_budget_gb=getattr(args, "memory_budget_gb", None),
+            pins=getattr(args, "pin", []),
+            idle_unload=getattr(args, "idle_unload", None),
+            load_wait=getattr(args, "load_wait", DEFAULT_LOAD_WAIT),
         )
     except ValueError as e:
         raise ServeError(str(e)) from None
@@ -340,7 +353,56 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         action="append",
         default=[],
         metavar="PATH_OR_NAME",
-        help="model folder or GGUF file to serve (repeatable); default: the embedded SmolLM2-135M-Instruct",
+        help="model folder, GGUF file or Hugging Face ORG/NAME[@REVISION] to serve (repeatable; "
+        "hub names come from the local HF cache, downloaded if missing unless HF_HUB_OFFLINE=1); "
+        "default: the embedded SmolLM2-135M-Instruct",
+    )
+    p.add_argument(
+        "--models-dir",
+        metavar="DIR",
+        help="also offer every model folder (with config.json) and .gguf file under DIR",
+    )
+    p.add_argument(
+        "--preload",
+        action="store_true",
+        help="load every model at start-up instead of on the first request that names it "
+        "(the embedded default model is always preloaded)",
+    )
+    p.add_argument(
+        "--max-loaded-models",
+        type=at_least(1),
+        default=None,
+        metavar="N",
+        help="keep at most N models loaded; loading another unloads the least recently used idle one",
+    )
+    p.add_argument(
+        "--memory-budget-gb",
+        type=positive,
+        default=None,
+        metavar="X",
+        help="keep loaded models (weights + KV pool) within X GiB, unloading the least recently "
+        "used idle ones",
+    )
+    p.add_argument(
+        "--pin",
+        action="append",
+        default=[],
+        metavar="NAME",
+        help="never unload NAME (repeatable)",
+    )
+    p.add_argument(
+        "--idle-unload",
+        type=positive,
+        default=None,
+        metavar="SECONDS",
+        help="unload a model no request has used for SECONDS",
+    )
+    p.add_argument(
+        "--load-wait",
+        type=positive,
+        default=DEFAULT_LOAD_WAIT,
+        metavar="SECONDS",
+        help="how long a request waits for room to load its model before a 503",
     )
     p.add_argument(
         "--alias",
@@ -455,7 +517,11 @@ def run(args: argparse.Namespace) -> int:
         print(f"cairn serve: {e}", file=sys.stderr)
         return 2
     try:
-        registry.load_all()
+        if args.preload:
+            registry.load_all()
+        elif not args.model and not getattr(args, "models_dir", None):
+            registry.preload([registry.models[0].name])  # `make serve` is ready when it says so
+        registry.serving.set()
         if problems:
             for problem in problems:
                 print(f"cairn serve: {problem}", file=sys.stderr)
