@@ -10,6 +10,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from mlx_cairn.api.registry import ModelRegistry, names_for_source, scan_models_dir
 from mlx_cairn.engine.testing import assert_at_rest
@@ -289,3 +291,50 @@ def test_http_lists_unloaded_models_loads_on_request_and_reports(folders: dict[s
         r = c.post("/v1/chat/completions", json={**body, "model": "tiny-b"}, headers=key)
         assert r.status_code == 503 and r.json()["error"]["type"] == "server_error"
     reg.close()
+
+
+# ----------------------------------------------------- property: schedules
+
+
+_ANSWERS: dict[str, str] = {}
+
+
+@settings(
+    max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(
+    batches=st.lists(
+        st.lists(st.sampled_from(["tiny-a", "tiny-b", "tiny-c"]), min_size=1, max_size=5),
+        min_size=1,
+        max_size=4,
+    ),
+    cancel_some=st.booleans(),
+)
+def test_any_schedule_over_three_models_with_room_for_two(
+    folders: dict[str, Path], batches: list[list[str]], cancel_some: bool
+) -> None:
+    with ModelRegistry([str(f) for f in folders.values()], max_loaded=2, load_wait=30) as reg:
+        if not _ANSWERS:
+            for name in ("tiny-a", "tiny-b", "tiny-c"):
+                _ANSWERS[name] = asyncio.run(answer(reg, name))
+
+        async def cancelled(name: str) -> None:
+            lease = await reg.get(name)
+            prepared = await asyncio.to_thread(lease.engine.prepare, chat())
+            stream = lease.engine.submit(prepared)
+            stream.cancel()
+
+        async def run_batch(names: list[str]) -> list[str]:
+            jobs = [answer(reg, n) for n in names]
+            extra = [cancelled(names[0])] if cancel_some else []
+            outs = await asyncio.wait_for(asyncio.gather(*jobs, *extra), timeout=60)
+            return list(outs[: len(names)])
+
+        for names in batches:
+            outs = asyncio.run(run_batch(names))
+            assert outs == [_ANSWERS[n] for n in names]
+            assert sum(sm.engine is not None for sm in reg.models) <= 2
+        assert all(sm.active == 0 and sm.waiting == 0 for sm in reg.models)
+        for sm in reg.models:
+            if sm.engine is not None:
+                assert_at_rest(sm.engine)
