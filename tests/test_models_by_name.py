@@ -338,3 +338,37 @@ def test_any_schedule_over_three_models_with_room_for_two(
         for sm in reg.models:
             if sm.engine is not None:
                 assert_at_rest(sm.engine)
+
+
+def test_a_failed_load_is_each_dialects_server_error_and_flags_build_the_registry(
+    folders: dict[str, Path],
+) -> None:
+    import argparse
+
+    from fastapi.testclient import TestClient
+
+    from mlx_cairn.api import create_app
+    from mlx_cairn.api.server import add_arguments, build
+
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    argv = f"--models-dir {folders['a'].parent} --model /nonexistent/broken"
+    argv += " --max-loaded-models 2 --pin tiny-a --idle-unload 30 --memory-budget-gb 4"
+    args = p.parse_args([*argv.split(), "--load-wait", "5", "--alias", "claude-*=tiny-c"])
+    reg, config = build(args, {})
+    try:
+        assert (reg.max_loaded, reg.idle_unload, reg.load_wait) == (2, 30, 5)
+        assert reg.memory_budget == 4 * 2**30 and reg.resolve("tiny-a").pinned
+        assert reg.resolve("claude-sonnet-4-5").name == "tiny-c"  # before it is loaded
+        assert all(sm.engine is None for sm in reg.models)
+        body = {"model": "broken", "max_tokens": 4, "messages": [{"role": "user", "content": "x"}]}
+        with TestClient(create_app(reg, config)) as c:
+            r = c.post("/v1/messages", json=body, headers={"anthropic-version": "2023-06-01"})
+            assert r.status_code == 500 and r.json()["error"]["type"] == "api_error"
+            assert "failed to load" in r.json()["error"]["message"]
+            r = c.post("/v1/chat/completions", json=body)
+            assert r.status_code == 500 and r.json()["error"]["type"] == "server_error"
+            r = c.post("/v1/chat/completions", json={**body, "model": "claude-x"})
+            assert r.status_code == 200, r.text
+    finally:
+        reg.close()
