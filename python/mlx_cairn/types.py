@@ -103,6 +103,11 @@ class ChatRequest:
     #: Extra keyword arguments for the chat template.
     template_kwargs: dict[str, Any] = field(default_factory=dict)
 
+    @property
+    def offers_tools(self) -> bool:
+        """Tools are shown to the model (and its calls parsed) unless ``tool_choice`` is "none"."""
+        return bool(self.tools) and self.tool_choice != "none"
+
 
 # --------------------------------------------------------------------- events
 

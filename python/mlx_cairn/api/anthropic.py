@@ -71,7 +71,7 @@ def _codec(
         model=sm.name,
         input_tokens=input_tokens,
         show_thinking=areq.show_thinking,
-        allow_tools=bool(chat.tools) and chat.tool_choice != "none",
+        allow_tools=chat.offers_tools,
     )
 
 

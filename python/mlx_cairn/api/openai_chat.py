@@ -43,7 +43,7 @@ def _codec(
         input_tokens=input_tokens,
         # A JSON body is the fold of the stream that reports usage.
         include_usage=req.include_usage or not req.stream,
-        allow_tools=bool(chat.tools) and chat.tool_choice != "none",
+        allow_tools=chat.offers_tools,
     )
 
 

@@ -196,7 +196,7 @@ def _codec(
     return ResponsesCodec(
         model=sm.name,
         input_tokens=input_tokens,
-        allow_tools=bool(chat.tools) and chat.tool_choice != "none",
+        allow_tools=chat.offers_tools,
         echo=req.echo,
         on_finish=keep if req.store else None,
     )

@@ -51,7 +51,7 @@ def build_prompt(
     the template's own markup becomes special tokens: special-token text in
     the request's strings is tokenized as plain text (chat/data.py).
     """
-    tools = req.tools if req.tools and req.tool_choice != "none" else None
+    tools = req.tools if req.offers_tools else None
     marks = DataMarks(tokenizer.special_tokens)
     marked = template.render_marked(
         req.messages,

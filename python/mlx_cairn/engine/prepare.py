@@ -100,7 +100,7 @@ def _render(loaded: Any, request: ChatRequest, *, text_only: bool = False) -> An
         if not text_only:
             return loaded.prompt(request)
         # The text build_prompt renders (tools only when they may be called).
-        tools = request.tools if request.tools and request.tool_choice != "none" else None
+        tools = request.tools if request.offers_tools else None
         return loaded.template.render(
             request.messages,
             tools,
@@ -189,7 +189,7 @@ def prepare(
     if reasoning and budget is not None:
         tok = loaded.tokenizer
         tags = (tok.encode(info.open_tag), tok.encode(info.close_tag))
-    tools_on = bool(request.tools) and request.tool_choice != "none"
+    tools_on = request.offers_tools
     return PreparedRequest(
         request=request,
         prompt_ids=list(prompt.ids),
