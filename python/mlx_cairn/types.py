@@ -31,6 +31,13 @@ MAX_STOP_SEQUENCE_CHARS = 1024
 MAX_TOP_K = 2**31 - 1
 MIN_SEED, MAX_SEED = -(2**63), 2**64 - 1
 GREEDY_BELOW_TEMPERATURE = 1e-5
+#: Bounds of the logits processors' settings (OpenAI's ranges; vLLM's for
+#: ``repetition_penalty``, which must be > 0 and is capped here).
+MAX_PENALTY = 2.0
+MAX_REPETITION_PENALTY = 10.0
+MAX_LOGIT_BIAS = 100.0
+MAX_LOGIT_BIAS_ENTRIES = 1024
+MAX_TOP_LOGPROBS = 20
 StopReason = Literal["end_turn", "max_tokens", "stop_sequence", "tool_use"]
 
 
@@ -79,6 +86,28 @@ class SamplingParams:
     top_k: int = 0  # 0: off
     min_p: float = 0.0  # 0: off
     seed: int | None = None
+    #: Logits processors (each off at its default). ``repetition_penalty``
+    #: divides positive / multiplies negative logits of every token seen in the
+    #: prompt or output; ``frequency_penalty`` subtracts count x penalty and
+    #: ``presence_penalty`` subtracts the penalty once, over output tokens;
+    #: ``logit_bias`` adds its value to that token id's logit.
+    repetition_penalty: float = 1.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    logit_bias: dict[int, float] = field(default_factory=dict)
+    #: Report each sampled token's log-probability (``TokenLogprob`` events),
+    #: with the ``top_logprobs`` most likely alternatives (0..MAX_TOP_LOGPROBS).
+    logprobs: bool = False
+    top_logprobs: int = 0
+
+    @property
+    def uses_processors(self) -> bool:
+        return (
+            self.repetition_penalty != 1.0
+            or self.frequency_penalty != 0.0
+            or self.presence_penalty != 0.0
+            or bool(self.logit_bias)
+        )
 
 
 @dataclass(slots=True)
@@ -133,6 +162,31 @@ class Admitted:
 
 
 @dataclass(frozen=True, slots=True)
+class TopLogprob:
+    token: str
+    token_id: int
+    #: Natural log of the token's probability under the model's raw
+    #: distribution (before temperature, penalties and bias), <= 0.
+    logprob: float
+    #: The token's bytes (a byte-fallback token may hold part of a character,
+    #: which ``token`` shows as U+FFFD).
+    token_bytes: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class TokenLogprob:
+    """One sampled token's log-probability and the most likely alternatives
+    (sorted by logprob, descending). Comes before that token's text events,
+    only when ``SamplingParams.logprobs`` is set."""
+
+    token: str
+    token_id: int
+    logprob: float
+    token_bytes: tuple[int, ...] = ()
+    top: tuple[TopLogprob, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
 class Usage:
     input_tokens: int = 0
     output_tokens: int = 0
@@ -165,4 +219,4 @@ class Error:
     message: str
 
 
-Event = Admitted | TextDelta | ReasoningDelta | ToolCall | Done | Error
+Event = Admitted | TextDelta | ReasoningDelta | ToolCall | TokenLogprob | Done | Error
