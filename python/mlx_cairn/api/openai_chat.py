@@ -44,6 +44,7 @@ def _codec(
         # A JSON body is the fold of the stream that reports usage.
         include_usage=req.include_usage or not req.stream,
         allow_tools=chat.offers_tools,
+        logprobs=chat.sampling.logprobs,
     )
 
 

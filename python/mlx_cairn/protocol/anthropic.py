@@ -18,6 +18,11 @@ Mapping rules:
   and ``tool_use`` blocks (kept as tool calls, arguments as JSON text).
 - images and documents become a short placeholder: the models served here
   read text only.
+- sampling: ``temperature`` (0..1), ``top_p``, ``top_k``, and as top-level
+  extra fields (an SDK's ``extra_body``) ``min_p``, ``seed``,
+  ``frequency_penalty``, ``presence_penalty``, ``repetition_penalty`` and
+  ``logit_bias``, with the OpenAI dialects' rules
+  (:mod:`mlx_cairn.protocol.sampling`). The Messages API has no logprobs.
 """
 
 from __future__ import annotations
@@ -32,17 +37,15 @@ from mlx_cairn.protocol.base import (
     MEDIA_PLACEHOLDER,
     fail,
     is_int,
-    is_num,
     required_model,
     short,
 )
+from mlx_cairn.protocol.sampling import read_sampling
 from mlx_cairn.types import (
     MAX_STOP_SEQUENCE_CHARS,
     MAX_STOP_SEQUENCES,
-    MAX_TOP_K,
     ChatRequest,
     Message,
-    SamplingParams,
     Tool,
     ToolCall,
 )
@@ -107,7 +110,9 @@ def _parse(body: Any, *, max_tokens_limit: int, count_only: bool) -> AnthropicRe
     reasoning, show_thinking, budget = _map_thinking(
         body.get("thinking"), body.get("output_config")
     )
-    sampling = _map_sampling(body)
+    # temperature 0..1, top_p, top_k; and through extra_body the fields the
+    # Messages API lacks (min_p, seed, penalties, logit_bias): one rule each.
+    sampling = read_sampling(body, max_temperature=1.0)
     stop = _map_stop(body.get("stop_sequences"))
 
     stream = body.get("stream", False)
@@ -454,26 +459,6 @@ def _map_thinking(raw: Any, output_config: Any) -> tuple[bool | None, bool, int 
         on, budget = EFFORT_REASONING.get(effort or "", (None, None))
         return on, on is not False and display != "omitted", budget
     raise fail("thinking.type", "must be 'enabled', 'disabled' or 'adaptive'")
-
-
-def _map_sampling(body: dict[str, Any]) -> SamplingParams:
-    sp = SamplingParams()
-    t = body.get("temperature")
-    if t is not None:
-        if not is_num(t) or not 0.0 <= t <= 1.0:
-            raise fail("temperature", "must be a number between 0 and 1")
-        sp.temperature = float(t)
-    p = body.get("top_p")
-    if p is not None:
-        if not is_num(p) or not 0.0 < p <= 1.0:
-            raise fail("top_p", "must be a number in (0, 1]")
-        sp.top_p = float(p)
-    k = body.get("top_k")
-    if k is not None:
-        if not is_int(k) or not 0 <= k <= MAX_TOP_K:
-            raise fail("top_k", f"must be an integer between 0 and {MAX_TOP_K}")
-        sp.top_k = k
-    return sp
 
 
 def _map_stop(raw: Any) -> list[str]:

@@ -35,7 +35,16 @@ import orjson
 from mlx_cairn.errors import error_kind
 from mlx_cairn.protocol.base import WireEvent, new_id, timings_body, tool_call_as_text
 from mlx_cairn.protocol.sse import frame
-from mlx_cairn.types import Admitted, Done, Error, Event, ReasoningDelta, TextDelta, ToolCall
+from mlx_cairn.types import (
+    Admitted,
+    Done,
+    Error,
+    Event,
+    ReasoningDelta,
+    TextDelta,
+    TokenLogprob,
+    ToolCall,
+)
 
 
 def error_payload(etype: str, message: str) -> dict[str, Any]:
@@ -92,6 +101,8 @@ class AnthropicCodec:
     def feed(self, ev: Event) -> list[WireEvent]:
         """Wire events for one engine Event."""
         out: list[WireEvent] = []
+        if isinstance(ev, TokenLogprob):
+            return out  # the Messages API has no logprobs
         if isinstance(ev, Admitted):
             if not self._started:
                 out.append(self._message_start(ev.input_tokens, ev.cached_tokens))

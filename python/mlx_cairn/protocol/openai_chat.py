@@ -12,13 +12,19 @@ the field; unknown fields are ignored):
   (auto / none / required / a named function: only that function is shown);
 - ``stop`` (string or list), ``max_completion_tokens`` (wins) or
   ``max_tokens`` (absent: up to the end of the context), ``temperature``
-  (0..2), ``top_p``, ``seed``, ``reasoning_effort``, ``cache_salt`` (as in
-  vLLM: different salts share no cached prefix); ``n`` other than 1 is a 400.
+  (0..2), ``top_p``, ``seed``, ``frequency_penalty`` / ``presence_penalty``
+  (-2..2), ``logit_bias``, ``logprobs`` + ``top_logprobs`` (0..20, only with
+  ``logprobs``), vLLM's extra ``top_k`` / ``min_p`` / ``repetition_penalty``
+  (rules: :mod:`mlx_cairn.protocol.sampling`), ``reasoning_effort``,
+  ``cache_salt`` (as in vLLM: different salts share no cached prefix); ``n``
+  other than 1 is a 400.
 
 Wire format of a stream (one request, one choice)::
 
     {"choices":[{"delta":{"role":"assistant","content":<first text or null>,...}}]}
     {"choices":[{"delta":{"content":"..."}}]}                     text
+    {"choices":[{"delta":{"content":"..."},"logprobs":{"content":[...],"refusal":null}}]}
+                                                                  text, with logprobs
     {"choices":[{"delta":{"reasoning_content":"..."}}]}           reasoning
     {"choices":[{"delta":{"tool_calls":[{"index":i,"id":"call_...","type":"function",
                  "function":{"name":...,"arguments":""}}]}}]}     once per call, then
@@ -27,8 +33,12 @@ Wire format of a stream (one request, one choice)::
     {"choices":[],"usage":{...}}                                  when include_usage
     [DONE]
 
-A failure after the first byte is one ``{"error": {...}}`` data line and no
-``[DONE]``. The JSON response is :func:`fold_chunks` over exactly these
+With ``logprobs`` each text chunk carries the entries of the tokens whose
+text it holds (:class:`~mlx_cairn.protocol.openai_common.LogprobHold` says
+which); other chunks carry ``logprobs: null``, and the finish chunk carries
+``{"content": [], "refusal": null}`` when no text chunk did, so the completion
+always has a logprobs object when asked. A failure after the first byte is
+one ``{"error": {...}}`` data line and no ``[DONE]``. The JSON response is :func:`fold_chunks` over exactly these
 chunks (the codec always emits the usage chunk in JSON mode), accumulated the
 way the ``openai`` SDK accumulates them.
 """
@@ -44,6 +54,7 @@ from mlx_cairn.errors import InvalidRequest, error_kind
 from mlx_cairn.protocol.base import WireEvent, required_model, timings_body, tool_call_as_text
 from mlx_cairn.protocol.openai_common import (
     CallIds,
+    LogprobHold,
     TextGate,
     chat_request,
     content_text,
@@ -55,14 +66,12 @@ from mlx_cairn.protocol.openai_common import (
     new_id,
     opt_bool,
     opt_max_tokens,
-    sampling_params,
     short,
     tool_choice,
 )
+from mlx_cairn.protocol.sampling import read_sampling, top_logprobs
 from mlx_cairn.protocol.sse import comment
 from mlx_cairn.types import (
-    MAX_SEED,
-    MIN_SEED,
     ChatRequest,
     Done,
     Error,
@@ -70,6 +79,7 @@ from mlx_cairn.types import (
     Message,
     ReasoningDelta,
     TextDelta,
+    TokenLogprob,
     Tool,
     ToolCall,
 )
@@ -106,12 +116,13 @@ def parse_chat_request(body: Any, *, max_tokens_limit: int) -> OpenAIChatRequest
         mt = opt_max_tokens(body, "max_tokens", max_tokens_limit)
     open_ended = mt is None
 
-    sampling = sampling_params(body)
-    seed = body.get("seed")
-    if seed is not None:
-        if not is_int(seed) or not MIN_SEED <= seed <= MAX_SEED:
-            raise fail("seed", "must be a 64-bit integer")
-        sampling.seed = int(seed)
+    sampling = read_sampling(body, max_temperature=2.0)
+    sampling.logprobs = opt_bool(body, "logprobs", False)
+    k = top_logprobs(body)
+    if k is not None:
+        if not sampling.logprobs:
+            raise fail("top_logprobs", "is only allowed when logprobs is true")
+        sampling.top_logprobs = k
 
     tools = _map_tools(body.get("tools"))
     choice = tool_choice(body.get("tool_choice"), tools, nested=True)
@@ -250,10 +261,13 @@ class ChatCodec:
         input_tokens: int,
         include_usage: bool,
         allow_tools: bool,
+        logprobs: bool = False,
         completion_id: str | None = None,
         created: int | None = None,
     ) -> None:
         self.model = model
+        #: The request asked for logprobs: text chunks carry them.
+        self.logprobs = logprobs
         self.input_tokens = input_tokens
         self.include_usage = include_usage
         self.allow_tools = allow_tools
@@ -263,6 +277,8 @@ class ChatCodec:
         self._calls = 0
         self._gate = TextGate()
         self._call_ids = CallIds()
+        self._lp = LogprobHold()
+        self._lp_sent = False
 
     def open(self) -> list[WireEvent]:
         """Nothing: the role rides on the first delta."""
@@ -284,26 +300,37 @@ class ChatCodec:
         body.update(extra)
         return (None, body)
 
-    def _delta(self, delta: dict[str, Any], finish: str | None = None) -> WireEvent:
+    def _delta(
+        self,
+        delta: dict[str, Any],
+        finish: str | None = None,
+        logprobs: list[dict[str, Any]] | None = None,
+    ) -> WireEvent:
         if not self._role_sent:
             self._role_sent = True
             delta = {"role": "assistant", "content": None, **delta}
-        choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+        lp = None if logprobs is None else {"content": logprobs, "refusal": None}
+        choice = {"index": 0, "delta": delta, "logprobs": lp, "finish_reason": finish}
         return self._chunk([choice])
 
     def feed(self, ev: Event) -> list[WireEvent]:
         """Chunks for one engine Event."""
         out: list[WireEvent] = []
-        if isinstance(ev, TextDelta):
+        if isinstance(ev, TokenLogprob):
+            if self.logprobs:
+                self._lp.add(ev)
+        elif isinstance(ev, TextDelta):
             self._text(ev.text, out)
         elif isinstance(ev, ReasoningDelta):
             if ev.text:
                 self._gate.drop()
+                self._lp.drop()
                 out.append(self._delta({"reasoning_content": ev.text}))
         elif isinstance(ev, ToolCall) and not (self.allow_tools and json_object(ev.arguments)):
             self._text(tool_call_as_text(ev), out)
         elif isinstance(ev, ToolCall):
             self._gate.drop()
+            self._lp.drop()
             i = self._calls
             self._calls += 1
             call_id = self._call_ids.take(ev.id)
@@ -321,7 +348,9 @@ class ChatCodec:
             if not self._role_sent:
                 out.append(self._delta({"content": ""}))
             finish = _FINISH.get(ev.stop_reason, "tool_calls" if self._calls else "stop")
-            out.append(self._delta({}, finish))
+            self._lp.drop()
+            empty = [] if self.logprobs and not self._lp_sent else None
+            out.append(self._delta({}, finish, empty))
             if self.include_usage:
                 out.append(self._chunk([], usage=self._usage(ev)))
             out.append((None, "[DONE]"))
@@ -333,7 +362,10 @@ class ChatCodec:
     def _text(self, text: str, out: list[WireEvent]) -> None:
         text = self._gate.push(text) if text else ""
         if text:
-            out.append(self._delta({"content": text}))
+            lp = None
+            if self.logprobs:
+                lp, self._lp_sent = self._lp.take(text), True
+            out.append(self._delta({"content": text}, logprobs=lp))
 
     def _usage(self, done: Done) -> dict[str, Any]:
         prompt = done.usage.input_tokens or self.input_tokens
@@ -371,6 +403,21 @@ def _accumulate(acc: dict[str, Any], delta: dict[str, Any]) -> None:
             acc[key] = copy.deepcopy(val)
 
 
+def _accumulate_logprobs(
+    acc: dict[str, Any] | None, got: dict[str, Any] | None
+) -> dict[str, Any] | None:
+    """Merge one chunk's ``logprobs`` the way the ``openai`` SDK does: the first
+    object is kept, later ``content`` / ``refusal`` lists extend it."""
+    if got is None:
+        return acc
+    if acc is None:
+        return copy.deepcopy(got)
+    for key in ("content", "refusal"):
+        if got.get(key):
+            acc[key] = (acc.get(key) or []) + copy.deepcopy(got[key])
+    return acc
+
+
 def fold_chunks(wire: list[WireEvent]) -> dict[str, Any]:
     """Accumulate chat completion chunks into the ``chat.completion`` they describe.
 
@@ -378,6 +425,7 @@ def fold_chunks(wire: list[WireEvent]) -> dict[str, Any]:
     """
     head: dict[str, Any] | None = None
     message: dict[str, Any] = {}
+    logprobs: dict[str, Any] | None = None
     finish: str | None = None
     usage: dict[str, Any] | None = None
     for _, payload in wire:
@@ -388,6 +436,7 @@ def fold_chunks(wire: list[WireEvent]) -> dict[str, Any]:
         head = head or payload
         for choice in payload["choices"]:
             _accumulate(message, choice["delta"])
+            logprobs = _accumulate_logprobs(logprobs, choice.get("logprobs"))
             finish = choice.get("finish_reason") or finish
         if payload.get("usage") is not None:
             usage = payload["usage"]
@@ -402,6 +451,8 @@ def fold_chunks(wire: list[WireEvent]) -> dict[str, Any]:
         "created": head["created"],
         "model": head["model"],
         "system_fingerprint": head.get("system_fingerprint"),
-        "choices": [{"index": 0, "message": message, "logprobs": None, "finish_reason": finish}],
+        "choices": [
+            {"index": 0, "message": message, "logprobs": logprobs, "finish_reason": finish}
+        ],
         "usage": copy.deepcopy(usage),
     }

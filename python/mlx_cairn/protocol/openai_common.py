@@ -8,13 +8,17 @@
 - :class:`TextGate`: holds whitespace that only precedes a tool call (the
   same rule as the Anthropic encoder, so a tool-only answer has no text);
 - a tool call the request did not allow comes back as text, nothing is lost
-  (:func:`~mlx_cairn.protocol.base.tool_call_as_text`).
+  (:func:`~mlx_cairn.protocol.base.tool_call_as_text`);
+- :func:`logprob_entry`, one token's log-probabilities in the OpenAI shape,
+  and :class:`LogprobHold`, the rule for which tokens' logprobs a text
+  delta carries (both dialects).
 
 Error types and codes come from the one table in :mod:`mlx_cairn.errors`.
 """
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import orjson
@@ -24,7 +28,6 @@ from mlx_cairn.protocol.base import (
     MEDIA_PLACEHOLDER,
     fail,
     is_int,
-    is_num,
     new_id,
     short,
 )
@@ -34,6 +37,7 @@ from mlx_cairn.types import (
     ChatRequest,
     Message,
     SamplingParams,
+    TokenLogprob,
     Tool,
 )
 
@@ -82,29 +86,6 @@ def opt_bool(body: dict[str, Any], key: str, default: bool) -> bool:
     if not isinstance(v, bool):
         raise fail(key, "must be a boolean")
     return v
-
-
-def opt_number(body: dict[str, Any], key: str, lo: float, hi: float) -> float | None:
-    v = body.get(key)
-    if v is None:
-        return None
-    if not is_num(v) or not lo <= v <= hi:
-        raise fail(key, f"must be a number between {lo:g} and {hi:g}")
-    return float(v)
-
-
-def sampling_params(body: dict[str, Any]) -> SamplingParams:
-    """``temperature`` (0 to 2) and ``top_p`` (above 0, at most 1)."""
-    sampling = SamplingParams()
-    t = opt_number(body, "temperature", 0.0, 2.0)
-    if t is not None:
-        sampling.temperature = t
-    p = opt_number(body, "top_p", 0.0, 1.0)
-    if p is not None:
-        if p == 0.0:
-            raise fail("top_p", "must be greater than 0")
-        sampling.top_p = p
-    return sampling
 
 
 def opt_max_tokens(body: dict[str, Any], key: str, limit: int) -> int | None:
@@ -327,3 +308,94 @@ class TextGate:
         """A tool call or reasoning came next: forget held whitespace, hold again."""
         self.started = False
         self._held = ""
+
+
+# ------------------------------------------------------------------ logprobs
+
+#: What a log-probability too small to write (-inf, NaN) is sent as: the
+#: value OpenAI documents for "very unlikely".
+VERY_UNLIKELY = -9999.0
+
+
+def wire_logprob(x: float) -> float:
+    """A log-probability as sent: in ``[-9999, 0]`` (float rounding can pass 0 by an ulp)."""
+    if not math.isfinite(x) or x < VERY_UNLIKELY:
+        return VERY_UNLIKELY
+    return min(float(x), 0.0)
+
+
+def _token_bytes(token: str, raw: tuple[int, ...]) -> list[int]:
+    # The engine's bytes when it gave them (a byte-fallback token holds part
+    # of a character); else the UTF-8 of the token's text.
+    return list(raw) if raw else list(token.encode("utf-8", "surrogatepass"))
+
+
+def logprob_entry(ev: TokenLogprob) -> dict[str, Any]:
+    """One sampled token as ``{token, logprob, bytes, top_logprobs}``, most likely first.
+
+    The shape of Chat's ``logprobs.content[i]`` and of Responses'
+    ``output_text.logprobs[i]`` (its deltas carry the same entries).
+    """
+    top = sorted(ev.top, key=lambda t: -wire_logprob(t.logprob))  # stable: ties keep engine order
+    return {
+        "token": ev.token,
+        "logprob": wire_logprob(ev.logprob),
+        "bytes": _token_bytes(ev.token, ev.token_bytes),
+        "top_logprobs": [
+            {
+                "token": t.token,
+                "logprob": wire_logprob(t.logprob),
+                "bytes": _token_bytes(t.token, t.token_bytes),
+            }
+            for t in top
+        ],
+    }
+
+
+class LogprobHold:
+    """Which tokens' logprobs ride on which text delta (both OpenAI dialects).
+
+    The engine sends a token's :class:`~mlx_cairn.types.TokenLogprob` before
+    that token's text, but the text may come later (a partial UTF-8
+    character, a possible stop sequence, leading whitespace held by
+    :class:`TextGate`), or never as answer text (a ``</think>`` tag, tool-call
+    markup, EOS). Like vLLM, logprobs ride on the chunk that emits the text;
+    ``logprobs.content`` covers answer text only, as OpenAI's does:
+
+    - entries are held until the next answer-text delta; it carries the
+      newest held entries whose bytes together end its text (the tokens that
+      wrote it), and the older ones are dropped (markup before the text, such
+      as a closing reasoning tag). When not even the newest entry's bytes end
+      the text (a token split by the stop-sequence scanner, a tool call sent
+      back as text) it carries them all: they made that text;
+    - reasoning text and a tool call drop what is held (those tokens are not
+      answer text);
+    - at the end, what is still held (EOS, a matched stop sequence, whitespace
+      the gate dropped) is dropped: it produced no answer text.
+
+    So for an answer without stop sequences the entries' bytes join to
+    exactly the answer text. Streaming and the JSON body carry the same
+    entries, because the JSON body is the fold of these very deltas.
+    """
+
+    def __init__(self) -> None:
+        self._held: list[dict[str, Any]] = []
+
+    def add(self, ev: TokenLogprob) -> None:
+        self._held.append(logprob_entry(ev))
+
+    def take(self, text: str) -> list[dict[str, Any]]:
+        """The entries for the answer-text delta ``text`` being sent now."""
+        held, self._held = self._held, []
+        end = text.encode("utf-8", "surrogatepass")
+        tail, k = b"", 0
+        for entry in reversed(held):
+            tail = bytes(entry["bytes"]) + tail
+            if len(tail) > len(end) or not end.endswith(tail):
+                break
+            k += 1
+        return held[len(held) - k :] if k else held
+
+    def drop(self) -> None:
+        """Reasoning, a tool call or the end came next: those tokens made no answer text."""
+        self._held = []

@@ -17,7 +17,11 @@ unknown fields are ignored. Mapping:
 - ``tools``: function tools (other tool types are skipped); ``tool_choice``
   auto / none / required / ``{"type": "function", "name": ...}``.
 - ``max_output_tokens`` (absent: up to the end of the context),
-  ``temperature`` (0..2), ``top_p``, ``reasoning.effort``, ``store``
+  ``temperature`` (0..2), ``top_p``, ``top_logprobs`` (0..20; logprobs are
+  reported only when ``include`` lists ``message.output_text.logprobs``, as
+  OpenAI does), the extra sampling fields of
+  :mod:`mlx_cairn.protocol.sampling` (``top_k``, ``min_p``, ``seed``,
+  penalties, ``logit_bias``), ``reasoning.effort``, ``store``
   (default true), ``stream``, ``metadata`` (echoed), ``cache_salt`` (as in
   vLLM: different salts share no cached prefix).
 """
@@ -39,13 +43,16 @@ from mlx_cairn.protocol.openai_common import (
     metadata_map,
     opt_bool,
     opt_max_tokens,
-    sampling_params,
     short,
     tool_choice,
 )
+from mlx_cairn.protocol.sampling import read_sampling, top_logprobs
 from mlx_cairn.types import ChatRequest, Message, Tool, ToolCall
 
 _TEXT_PARTS = ("input_text", "output_text", "text")
+#: The ``include`` value that turns logprobs on; other values are accepted and
+#: ignored (they name server-side tools' outputs a local model does not have).
+LOGPROBS_INCLUDE = "message.output_text.logprobs"
 _ROLES = {"user": "user", "system": "system", "developer": "system", "assistant": "assistant"}
 
 
@@ -101,7 +108,11 @@ def parse_responses_request(
     messages = ([Message("system", instructions)] if instructions else []) + history
 
     mt = opt_max_tokens(body, "max_output_tokens", max_tokens_limit)
-    sampling = sampling_params(body)
+    sampling = read_sampling(body, max_temperature=2.0)
+    sampling.logprobs = LOGPROBS_INCLUDE in _include(body.get("include"))
+    k = top_logprobs(body)
+    if k is not None and sampling.logprobs:
+        sampling.top_logprobs = k
 
     tools, tools_echo = _map_tools(body.get("tools"))
     choice = tool_choice(body.get("tool_choice"), tools, nested=False)
@@ -136,12 +147,25 @@ def parse_responses_request(
         "text": {"format": {"type": "text"}},
         "tool_choice": raw_choice if raw_choice is not None else "auto",
         "tools": tools_echo,
+        "top_logprobs": k if k is not None else 0,
         "top_p": sampling.top_p,
         "truncation": "disabled",
     }
     return ResponsesRequest(
         chat, model, history, opt_bool(body, "stream", False), store, mt is None, echo
     )
+
+
+def _include(raw: Any) -> list[str]:
+    """``include``: a list of strings."""
+    if raw is None:
+        return []
+    if not isinstance(raw, list):
+        raise fail("include", "must be a list of strings")
+    for i, v in enumerate(raw):
+        if not isinstance(v, str):
+            raise fail(f"include[{i}]", "must be a string")
+    return raw
 
 
 def _map_tools(raw: Any) -> tuple[list[Tool], list[dict[str, Any]]]:

@@ -15,6 +15,14 @@ Wire order (every event carries ``sequence_number``, counting from 0)::
     response.completed   (or response.incomplete when max_output_tokens ran out)
     -- or, on failure after the start: error, response.failed
 
+Logprobs (when the request included ``message.output_text.logprobs``): each
+``output_text.delta`` carries the entries of the tokens whose text it holds
+(:class:`~mlx_cairn.protocol.openai_common.LogprobHold` says which: reasoning
+and function-call tokens carry none), and the ``output_text`` part, its
+``output_text.done`` and the item in ``output_item.done`` carry all of that
+message's entries, in order: a client that reads only the deltas gets the
+same list as the final response.
+
 The terminal event carries the whole response. :func:`fold_events` rebuilds
 it from the frames (the created response, the finished items in order, the
 terminal status and usage); the JSON response is that fold.
@@ -36,12 +44,21 @@ from mlx_cairn.errors import error_kind
 from mlx_cairn.protocol.base import WireEvent, timings_body, tool_call_as_text
 from mlx_cairn.protocol.openai_common import (
     CallIds,
+    LogprobHold,
     TextGate,
     json_object,
     new_id,
 )
 from mlx_cairn.protocol.sse import comment
-from mlx_cairn.types import Done, Error, Event, ReasoningDelta, TextDelta, ToolCall
+from mlx_cairn.types import (
+    Done,
+    Error,
+    Event,
+    ReasoningDelta,
+    TextDelta,
+    TokenLogprob,
+    ToolCall,
+)
 
 _TERMINAL = ("response.completed", "response.incomplete")
 
@@ -82,6 +99,8 @@ class ResponsesCodec:
         self._seq = 0
         self._item: dict[str, Any] | None = None  # the open output item
         self._text = ""  # text of the open item's content part / arguments
+        self._logprobs: list[dict[str, Any]] = []  # of the open message's text part
+        self._lp = LogprobHold()
         self._gate = TextGate()
         self._call_ids = CallIds()
 
@@ -109,18 +128,23 @@ class ResponsesCodec:
     def feed(self, ev: Event) -> list[WireEvent]:
         """Stream events for one engine Event."""
         out: list[WireEvent] = []
-        if isinstance(ev, TextDelta):
+        if isinstance(ev, TokenLogprob):
+            self._lp.add(ev)
+        elif isinstance(ev, TextDelta):
             self._text_delta(ev.text, out)
         elif isinstance(ev, ReasoningDelta):
             if ev.text:
                 self._gate.drop()
+                self._lp.drop()
                 self._reasoning_delta(ev.text, out)
         elif isinstance(ev, ToolCall) and not (self.allow_tools and json_object(ev.arguments)):
             self._text_delta(tool_call_as_text(ev), out)
         elif isinstance(ev, ToolCall):
             self._gate.drop()
+            self._lp.drop()
             self._function_call(ev, out)
         elif isinstance(ev, Done):
+            self._lp.drop()
             self._finish(ev, out)
         elif isinstance(ev, Error):
             self._close(out, "incomplete")
@@ -135,6 +159,7 @@ class ResponsesCodec:
         self._close(out, "completed")
         self._item = item
         self._text = ""
+        self._logprobs = []
         index = len(self.response["output"])
         out.append(
             self._ev("response.output_item.added", output_index=index, item=copy.deepcopy(item))
@@ -171,6 +196,8 @@ class ResponsesCodec:
             )
         assert self._item is not None
         self._text += text
+        logprobs = self._lp.take(text)
+        self._logprobs += logprobs
         out.append(
             self._ev(
                 "response.output_text.delta",
@@ -178,7 +205,7 @@ class ResponsesCodec:
                 output_index=len(self.response["output"]),
                 content_index=0,
                 delta=text,
-                logprobs=[],
+                logprobs=logprobs,
             )
         )
 
@@ -237,10 +264,15 @@ class ResponsesCodec:
         text = self._text
         item["status"] = status
         if item["type"] == "message":
-            part = {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+            lps = self._logprobs
+            part = {"type": "output_text", "text": text, "annotations": [], "logprobs": lps}
             out.append(
                 self._ev(
-                    "response.output_text.done", **ids, content_index=0, text=text, logprobs=[]
+                    "response.output_text.done",
+                    **ids,
+                    content_index=0,
+                    text=text,
+                    logprobs=copy.deepcopy(lps),
                 )
             )
             out.append(self._ev("response.content_part.done", **ids, content_index=0, part=part))
@@ -266,6 +298,7 @@ class ResponsesCodec:
         self.response["output"].append(item)
         self._item = None
         self._text = ""
+        self._logprobs = []
 
     def _finish(self, done: Done, out: list[WireEvent]) -> None:
         truncated = done.stop_reason == "max_tokens"
