@@ -33,7 +33,7 @@ import mlx.core as mx
 
 from mlx_cairn.engine import prepare as _prep
 from mlx_cairn.engine.output import SequenceOutput
-from mlx_cairn.engine.paged import KVPools, pool_blocks
+from mlx_cairn.engine.paged import KVPools, LayerSpec, pool_blocks
 from mlx_cairn.engine.reasoning import ReasoningBudget
 from mlx_cairn.engine.runner import InFlight, ModelRunner, merge_inflight
 from mlx_cairn.engine.scheduler import Scheduler, StepPlan
@@ -98,9 +98,12 @@ class Engine:
         model = loaded_model.model
         if kv_dtype is None:
             kv_dtype = mx.float32 if mx.default_device() == mx.cpu else model.dtype
-        per_block = KVPools.bytes_per_block(
-            model.num_layers, model.num_kv_heads, model.head_dim, block_size, kv_dtype.size
-        )
+        # Per-layer pools (DESIGN.md §4): mlx-lm models give their layers' KV
+        # shapes and windows; a uniform model gives one shape for all layers.
+        layer_specs = getattr(model, "layer_specs", None) or [
+            LayerSpec(model.num_kv_heads, model.head_dim, model.head_dim)
+        ] * model.num_layers
+        per_block = KVPools.block_bytes(layer_specs, block_size, kv_dtype.size)
         num_blocks = pool_blocks(
             per_block,
             num_blocks=num_blocks,
@@ -113,9 +116,7 @@ class Engine:
         self.max_queue = max_queue
         self.context_length = int(loaded_model.context_length)
         self._pools = KVPools(
-            num_layers=model.num_layers,
-            num_kv_heads=model.num_kv_heads,
-            head_dim=model.head_dim,
+            layers=layer_specs,
             num_blocks=num_blocks,
             block_size=block_size,
             dtype=kv_dtype,

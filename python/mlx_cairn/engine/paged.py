@@ -19,6 +19,7 @@ from __future__ import annotations
 import os
 import sys
 from collections.abc import Sequence as Seq
+from dataclasses import dataclass
 
 import mlx.core as mx
 import numpy as np
@@ -97,18 +98,45 @@ def pool_blocks(
     return want
 
 
+@dataclass(frozen=True)
+class LayerSpec:
+    """What one layer caches per token: the shape of its pools and what it attends to.
+
+    ``kv_heads`` x ``k_dim`` keys and ``kv_heads`` x ``v_dim`` values per token
+    (MLA layers cache a latent: one "head" whose key and value widths differ).
+    ``window``: a sliding-window layer's query sees the last ``window``
+    positions, itself included; None for global attention.
+    """
+
+    kv_heads: int
+    k_dim: int
+    v_dim: int
+    window: int | None = None
+
+    def bytes_per_token(self, itemsize: int) -> int:
+        return self.kv_heads * (self.k_dim + self.v_dim) * itemsize
+
+
 class KVPools:
-    """Per-layer K/V block pools (MLX arrays), sized once, never grown."""
+    """Per-layer K/V block pools (MLX arrays), sized once, never grown.
+
+    Layer ``i`` owns ``k[i]`` ``[num_blocks, block_size, kv_heads, k_dim]`` and
+    ``v[i]`` ``[num_blocks, block_size, kv_heads, v_dim]`` from ``layers[i]``.
+    Every layer has every block, so one block id means the same positions in
+    all layers. ``layers`` may be omitted for a uniform model
+    (``num_layers`` x ``num_kv_heads`` x ``head_dim``).
+    """
 
     def __init__(
         self,
         *,
-        num_layers: int,
-        num_kv_heads: int,
-        head_dim: int,
         num_blocks: int,
         block_size: int,
         dtype: mx.Dtype = mx.float32,
+        layers: Seq[LayerSpec] | None = None,
+        num_layers: int | None = None,
+        num_kv_heads: int | None = None,
+        head_dim: int | None = None,
     ) -> None:
         if num_blocks < 2:
             raise ValueError(
@@ -116,27 +144,35 @@ class KVPools:
             )
         if block_size < 1:
             raise ValueError(f"block_size must be positive, got {block_size}")
-        self.num_layers = num_layers
+        if layers is None:
+            if num_layers is None or num_kv_heads is None or head_dim is None:
+                raise ValueError("give layers, or num_layers, num_kv_heads and head_dim")
+            layers = [LayerSpec(num_kv_heads, head_dim, head_dim)] * num_layers
+        self.layers = tuple(layers)
+        self.num_layers = len(self.layers)
         self.num_blocks = num_blocks
         self.block_size = block_size
-        self.num_kv_heads = num_kv_heads
-        self.head_dim = head_dim
         self.dtype = dtype
         self.reset()
 
     def reset(self) -> None:
         """Fresh zeroed pools (pending writes to the old ones are dropped)."""
-        shape = (self.num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
-        self.k = [mx.zeros(shape, dtype=self.dtype) for _ in range(self.num_layers)]
-        self.v = [mx.zeros(shape, dtype=self.dtype) for _ in range(self.num_layers)]
+        n, bs = self.num_blocks, self.block_size
+        self.k = [mx.zeros((n, bs, s.kv_heads, s.k_dim), dtype=self.dtype) for s in self.layers]
+        self.v = [mx.zeros((n, bs, s.kv_heads, s.v_dim), dtype=self.dtype) for s in self.layers]
         mx.eval(self.k, self.v)  # commit the memory now, not at the first step
 
     @staticmethod
     def bytes_per_block(
         num_layers: int, num_kv_heads: int, head_dim: int, block_size: int, itemsize: int
     ) -> int:
-        """K + V bytes one block takes across all layers."""
+        """K + V bytes one block takes across ``num_layers`` uniform layers."""
         return 2 * num_layers * block_size * num_kv_heads * head_dim * itemsize
+
+    @staticmethod
+    def block_bytes(layers: Seq[LayerSpec], block_size: int, itemsize: int) -> int:
+        """K + V bytes one block takes across ``layers``."""
+        return block_size * sum(s.bytes_per_token(itemsize) for s in layers)
 
     @property
     def nbytes(self) -> int:
@@ -147,14 +183,32 @@ class KVPools:
         return [*self.k, *self.v]
 
 
+class _View:
+    """Which blocks one kind of layer gathers in a step, and the key positions they hold."""
+
+    __slots__ = ("key_pos", "tables")
+
+    def __init__(self, tables: mx.array, key_pos: np.ndarray) -> None:
+        self.tables = tables  # [B, nblk] int32 block ids (0 = null block)
+        self.key_pos = key_pos  # [B or 1, nblk * block_size] absolute position of each key
+
+
 class PagedKVCache:
-    """The :class:`mlx_cairn.models.base.KVCache` view of one forward call over the pools.
+    """One forward call's view of the pools: B ragged rows, per-layer mlx-lm caches.
 
     Rows may carry fewer than L new tokens (``lengths``): their tail is padding
     whose K/V go to the null block and whose outputs the caller ignores::
 
         row 0:  t t t t t      lengths[0] = 5
         row 1:  t t . . .      lengths[1] = 2   ('.' = pad, written to block 0)
+
+    ``layers[i]`` is what mlx-lm's attention code gets as layer i's cache
+    (:class:`PagedLayerCache`). Global layers gather each row's whole block
+    table; a sliding-window layer gathers, per row, only the blocks its
+    queries can see::
+
+        row b, window w, first query at position o = offsets[b]
+        first block gathered = max(0, o - w + 1) // block_size
 
     Args:
         pools: the KV pools.
@@ -178,6 +232,7 @@ class PagedKVCache:
         length = int(lens.max())
         offs = np.asarray(offsets, dtype=np.int64)
         ctx = offs + lens  # tokens each row attends to
+        # Blocks up to the last (padded) query, so every query sees at least itself.
         nblk = int(((offs + length + bs - 1) // bs).max())
         tables = np.zeros((batch, nblk), dtype=np.int32)  # pad with the null block
         for b, t in enumerate(block_tables):
@@ -185,47 +240,150 @@ class PagedKVCache:
             if len(t) < need:
                 raise ValueError(f"row {b}: {len(t)} blocks cannot hold {int(ctx[b])} tokens")
             tables[b, :need] = t[:need]
+        self._np_tables = tables
+        self._np_offs = offs
+        self._length = length
         # Write slots of the new tokens, row-major over [B, L]; padding -> block 0.
         steps = np.arange(length)[None, :]
         pos = offs[:, None] + steps
+        self._q_pos = pos
         real = steps < lens[:, None]
         w_block = np.where(real, np.take_along_axis(tables, pos // bs, axis=1), 0)
         self._w_block = mx.array(w_block.reshape(-1).astype(np.int32))
         self._w_row = mx.array((pos % bs).reshape(-1).astype(np.int32))
-        self._tables = mx.array(tables)
-        # Mask [B, 1, L, T]: key t visible to query i of row b iff t <= offsets[b] + i.
-        # (Pad queries see real keys too, so no row of the softmax is empty.)
-        key_pos = np.arange(nblk * bs)[None, None, :]
-        self._mask = mx.array((key_pos <= pos[:, :, None])[:, None, :, :])
         self._offsets = mx.array(offs.astype(np.int32))
+        self._views: dict[int | None, _View] = {
+            None: _View(mx.array(tables), np.arange(nblk * bs)[None, :])
+        }
+        self._masks: dict[tuple[int | None, int | None], mx.array] = {}
         # On the CPU, attention over the transposed gather view costs about twice
         # as much as one copy into [B, kvh, T, hd] plus attention over that
         # (bench/RESULTS.md, Engine section).
         self._contiguous = mx.default_device() == mx.cpu
+        #: Per-layer caches in the interface mlx-lm's architectures call.
+        self.layers = [PagedLayerCache(self, i, s.window) for i, s in enumerate(pools.layers)]
 
     @property
     def offsets(self) -> mx.array:
         """[B] int32: position of each row's first new token."""
         return self._offsets
 
-    def update_and_fetch(
-        self, layer: int, keys: mx.array, values: mx.array
-    ) -> tuple[mx.array, mx.array, mx.array]:
-        """Write ``keys``/``values`` [B, kvh, L, hd] into the pools; return the gathered view."""
+    def layer_caches(self, model: object = None) -> list[PagedLayerCache]:
+        """The per-layer caches to pass to an mlx-lm model."""
+        return self.layers
+
+    def view(self, window: int | None) -> _View:
+        """The gather geometry of layers with sliding ``window`` (None: global)."""
+        got = self._views.get(window)
+        if got is not None:
+            return got
+        assert window is not None
+        bs = self.pools.block_size
+        full = self._np_tables
+        nblk = full.shape[1]
+        start = np.maximum(0, self._np_offs - window + 1) // bs  # [B]
+        width = int((nblk - start).max())
+        if width >= nblk:  # the window spans every block of some row
+            view = self._views[None]
+        else:
+            idx = start[:, None] + np.arange(width)[None, :]  # [B, width]
+            tables = np.where(
+                idx < nblk, np.take_along_axis(full, np.minimum(idx, nblk - 1), axis=1), 0
+            )
+            key_pos = (idx[:, :, None] * bs + np.arange(bs)[None, None, :]).reshape(len(start), -1)
+            view = _View(mx.array(tables.astype(np.int32)), key_pos)
+        self._views[window] = view
+        return view
+
+    def mask(self, geometry: int | None, window: int | None) -> mx.array:
+        """[B, 1, L, T] bool: key t visible to query i of row b (causal, within ``window``)."""
+        key = (geometry, window)
+        got = self._masks.get(key)
+        if got is None:
+            kp = self.view(geometry).key_pos[:, None, :]  # [B|1, 1, T]
+            qp = self._q_pos[:, :, None]  # [B, L, 1]
+            seen = kp <= qp
+            if window is not None:
+                seen &= kp > qp - window
+            got = self._masks[key] = mx.array(seen[:, None, :, :])
+        return got
+
+    def write_and_gather(
+        self, layer: int, geometry: int | None, keys: mx.array, values: mx.array
+    ) -> tuple[mx.array, mx.array]:
+        """Write ``keys``/``values`` [B, kvh, L, d] into layer's pools; gather its view."""
         p = self.pools
-        b, h, n, d = keys.shape
-        # [B, kvh, L, hd] -> [B*L, kvh, hd], matching the row-major write slots.
-        k_rows = _as(keys.transpose(0, 2, 1, 3).reshape(b * n, h, d), p.dtype)
-        v_rows = _as(values.transpose(0, 2, 1, 3).reshape(b * n, h, d), p.dtype)
+        b, h, n, dk = keys.shape
+        dv = values.shape[3]
+        # [B, kvh, L, d] -> [B*L, kvh, d], matching the row-major write slots.
+        k_rows = _as(keys.transpose(0, 2, 1, 3).reshape(b * n, h, dk), p.dtype)
+        v_rows = _as(values.transpose(0, 2, 1, 3).reshape(b * n, h, dv), p.dtype)
         # In-place scatter: the pool array is donated, nothing is copied.
         p.k[layer][self._w_block, self._w_row] = k_rows
         p.v[layer][self._w_block, self._w_row] = v_rows
-        # [B, nblk, bs, kvh, hd] -> [B, kvh, nblk*bs, hd]
-        k_all = p.k[layer][self._tables].reshape(b, -1, h, d).transpose(0, 2, 1, 3)
-        v_all = p.v[layer][self._tables].reshape(b, -1, h, d).transpose(0, 2, 1, 3)
+        tables = self.view(geometry).tables
+        # [B, nblk, bs, kvh, d] -> [B, kvh, nblk*bs, d]
+        k_all = p.k[layer][tables].reshape(b, -1, h, dk).transpose(0, 2, 1, 3)
+        v_all = p.v[layer][tables].reshape(b, -1, h, dv).transpose(0, 2, 1, 3)
         if self._contiguous and p.dtype == keys.dtype:  # (a cast below copies anyway)
             k_all, v_all = mx.contiguous(k_all), mx.contiguous(v_all)
-        return _as(k_all, keys.dtype), _as(v_all, values.dtype), self._mask
+        return _as(k_all, keys.dtype), _as(v_all, values.dtype)
+
+    def update_and_fetch(
+        self, layer: int, keys: mx.array, values: mx.array
+    ) -> tuple[mx.array, mx.array, mx.array]:
+        """The :mod:`mlx_cairn.models.base` contract: write, gather, and the causal mask."""
+        k_all, v_all = self.write_and_gather(layer, None, keys, values)
+        return k_all, v_all, self.mask(None, None)
+
+
+class PagedLayerCache:
+    """Layer ``i``'s cache as mlx-lm's attention code sees it (cf. ``mlx_lm`` ``BatchKVCache``).
+
+    ``offset`` is the [B] array of each row's first new position (RoPE),
+    ``update_and_fetch`` stores the step's keys/values in the pools and returns
+    what the layer attends over, ``make_mask`` the matching ragged mask.
+    """
+
+    def __init__(self, owner: PagedKVCache, layer: int, window: int | None) -> None:
+        self._owner = owner
+        self.layer = layer
+        self.window = window
+        self._geometry = window
+
+    @property
+    def offset(self) -> mx.array:
+        return self._owner.offsets
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        return self._owner.write_and_gather(self.layer, self._geometry, keys, values)
+
+    def make_mask(
+        self, N: int, window_size: int | None = None, return_array: bool = False, **kwargs: object
+    ) -> mx.array:
+        if self._owner._length != N:
+            raise ValueError(f"mask for {N} queries, but the step has {self._owner._length}")
+        window = window_size if window_size is not None else self.window
+        return self._owner.mask(self._geometry, window)
+
+    # The rest of mlx-lm's cache interface that model code or helpers may touch.
+    def is_trimmable(self) -> bool:
+        return False
+
+    def size(self) -> int:
+        return int(self._owner._np_offs.max()) + self._owner._length
+
+    def empty(self) -> bool:
+        return False
+
+    @property
+    def state(self) -> list[mx.array]:
+        p = self._owner.pools
+        return [p.k[self.layer], p.v[self.layer]]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(a.nbytes for a in self.state)
 
 
 def _as(x: mx.array, dtype: mx.Dtype) -> mx.array:

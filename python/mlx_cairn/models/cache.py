@@ -7,11 +7,16 @@ Each layer keeps one growing buffer per K and V::
 
 Buffers grow in steps of :attr:`ContiguousKVCache.step` tokens so a decode
 step writes in place instead of concatenating.
+
+For mlx-lm architectures (:class:`mlx_cairn.models.zoo.ZooModel`) the same
+object hands out mlx-lm's own per-layer caches (``KVCache``,
+``RotatingKVCache`` for sliding-window layers) through :meth:`layer_caches`,
+so the reference loop runs exactly mlx-lm's single-sequence semantics.
 """
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 import mlx.core as mx
 
@@ -32,10 +37,19 @@ class ContiguousKVCache:
         self._lens = [0] * num_layers
         self._offsets_for = -1
         self._offsets = mx.array([0], dtype=mx.int32)
+        self._mlx: list[Any] | None = None
+
+    def layer_caches(self, model: Any) -> list[Any]:
+        """mlx-lm's per-layer caches for ``model`` (made by ``model.make_cache()`` on first use)."""
+        if self._mlx is None:
+            self._mlx = model.make_cache()
+        return self._mlx
 
     @property
     def offset(self) -> int:
         """Number of tokens stored (the position of the next token)."""
+        if self._mlx is not None:
+            return int(self._mlx[0].offset)
         return self._lens[-1]
 
     @property
@@ -75,8 +89,13 @@ class ContiguousKVCache:
     def trim(self, n: int) -> None:
         """Forget the last ``n`` tokens of every layer."""
         self._lens = [max(0, x - n) for x in self._lens]
+        for c in self._mlx or []:
+            c.trim(n)
 
     @property
     def state(self) -> list[mx.array]:
         """Buffers to ``mx.eval`` so lazy writes do not pile up."""
-        return [b for b in (*self.keys, *self.values) if b is not None]
+        out = [b for b in (*self.keys, *self.values) if b is not None]
+        for c in self._mlx or []:
+            out.extend(a for a in c.state if isinstance(a, mx.array))
+        return out

@@ -15,6 +15,7 @@ from __future__ import annotations
 from typing import Any, Literal
 
 import mlx.core as mx
+import mlx.nn as nn
 import numpy as np
 from mlx.utils import tree_flatten, tree_unflatten
 from tokenizers import AddedToken, decoders, models, pre_tokenizers, trainers
@@ -96,7 +97,7 @@ def tiny_args(arch: Arch = "llama") -> ModelArgs:
     raise ValueError(f"unknown tiny architecture {arch!r}")
 
 
-def random_weights(model: LlamaModel, seed: int) -> None:
+def random_weights(model: nn.Module, seed: int) -> None:
     """Fill ``model`` with deterministic random fp32 weights."""
     rng = np.random.default_rng(seed)
     params = []
@@ -133,5 +134,35 @@ def tiny_model(arch: Arch = "llama", seed: int = 0) -> LoadedModel:
         eos_token_ids=eos,
         context_length=args.max_position_embeddings,
         identity=f"tiny-{arch}-seed{seed}:float32",
+        source_format="memory",
+    )
+
+
+def tiny_zoo_model(model_type: str, seed: int = 0) -> LoadedModel:
+    """A random-weight mlx-lm ``model_type`` (:mod:`mlx_cairn.models.tiny_configs`) as a LoadedModel.
+
+    The model is mlx-lm's own class, wrapped by :class:`mlx_cairn.models.zoo.ZooModel`.
+    """
+    from mlx_cairn.models.tiny_configs import tiny_config
+    from mlx_cairn.models.zoo import ZooModel, build_model
+
+    config = tiny_config(model_type)
+    inner = build_model(config, None)
+    random_weights(inner, seed)
+    model = ZooModel(inner, config)
+    tok = tiny_tokenizer()
+    eos = {
+        i
+        for i in (tok.token_to_id("<|im_end|>"), tok.token_to_id("<|endoftext|>"))
+        if i is not None
+    }
+    return assemble(
+        name=f"tiny-{model_type}",
+        model=model,  # type: ignore[arg-type]
+        tokenizer=tok,
+        template_source=QWEN3,
+        eos_token_ids=eos,
+        context_length=int(config["max_position_embeddings"]),
+        identity=f"tiny-{model_type}-seed{seed}:float32",
         source_format="memory",
     )
