@@ -15,6 +15,7 @@ import uvicorn
 from mlx_cairn.api import ModelRegistry, ServerConfig, create_app
 from mlx_cairn.api.connection import http_protocol
 from mlx_cairn.engine import Engine
+from mlx_cairn.engine.stats import EngineStats
 from mlx_cairn.engine.testing import assert_at_rest
 from scripted_model import scripted_model
 
@@ -170,7 +171,7 @@ def wait_until(pred: Any, what: str, timeout: float = 10.0) -> None:
         time.sleep(0.01)
 
 
-def settle_cancel(engine: Engine, blocker: Blocker, before: int) -> dict[str, Any]:
+def settle_cancel(engine: Engine, blocker: Blocker, before: int) -> EngineStats:
     """After a client left a request the engine is held on: the server cancels it,
     and once ``blocker`` lets go the engine counts the cancel and frees everything.
 
@@ -181,7 +182,7 @@ def settle_cancel(engine: Engine, blocker: Blocker, before: int) -> dict[str, An
     wait_until(lambda: bool(engine._cancels), "the server did not cancel the generation")
     blocker.release.set()
     wait_until(
-        lambda: engine.stats()["requests_cancelled"] >= before + 1,
+        lambda: engine.stats().requests_cancelled >= before + 1,
         "the engine never saw the cancel",
     )
     return assert_at_rest(engine)
@@ -199,7 +200,7 @@ def tight_queue_full(env: dict[str, Any], send: Callable[[], Any]) -> Iterator[N
     assert blocker.entered.wait(10)  # admitted and running: the queue is empty again
     second = threading.Thread(target=lambda: results.append(send()))
     second.start()
-    wait_until(lambda: eng.stats()["queue_depth"] >= 1, "the second request never queued")
+    wait_until(lambda: eng.stats().queue_depth >= 1, "the second request never queued")
     try:
         yield
     finally:

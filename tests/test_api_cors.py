@@ -97,7 +97,7 @@ def client(engine: Engine) -> Iterator[TestClient]:
 def test_preflight_for_an_allowed_origin_needs_no_credential(
     client: TestClient, engine: Engine, path: str
 ) -> None:
-    before = engine.stats()["requests_requests"]
+    before = engine.stats().requests_total
     wanted = "x-api-key, content-type, anthropic-version, anthropic-beta, x-stainless-retry-count"
     r = client.options(path, headers=preflight(ORIGIN, headers=wanted))
     assert r.status_code == 200, r.text
@@ -108,7 +108,7 @@ def test_preflight_for_an_allowed_origin_needs_no_credential(
     allowed = {x.strip().lower() for x in h["access-control-allow-headers"].split(",")}
     assert {x.strip() for x in wanted.split(",")} <= allowed
     assert "www-authenticate" not in r.headers
-    assert engine.stats()["requests_requests"] == before
+    assert engine.stats().requests_total == before
 
 
 def test_preflight_allows_every_header_the_browser_facing_clients_send(

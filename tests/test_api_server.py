@@ -216,7 +216,7 @@ def test_start_up_refusals(tmp_path: Path) -> None:
 )
 def test_validation_400(env: dict[str, Any], payload: Any, field: str) -> None:
     raw = payload if isinstance(payload, str) else json.dumps(payload)
-    before = env["engines"]["scripted"].stats()["requests_requests"]
+    before = env["engines"]["scripted"].stats().requests_total
     r = httpx.post(
         env["url"] + "/v1/messages?beta=true",
         content=raw,
@@ -224,7 +224,7 @@ def test_validation_400(env: dict[str, Any], payload: Any, field: str) -> None:
         timeout=10,
     )
     assert field in assert_envelope(r, 400, "invalid_request_error")
-    assert env["engines"]["scripted"].stats()["requests_requests"] == before  # no model work
+    assert env["engines"]["scripted"].stats().requests_total == before  # no model work
 
 
 def test_model_errors(env: dict[str, Any]) -> None:
@@ -321,7 +321,7 @@ def test_pings_while_waiting_then_the_full_order(env: dict[str, Any]) -> None:
 
 def test_stream_disconnect_frees_everything(env: dict[str, Any]) -> None:
     eng, blocker = env["engines"]["scripted"], env["blockers"]["scripted"]
-    before = eng.stats()["requests_cancelled"]
+    before = eng.stats().requests_cancelled
     blocker.arm()
     with httpx.stream(
         "POST",
@@ -335,12 +335,12 @@ def test_stream_disconnect_frees_everything(env: dict[str, Any]) -> None:
                 break
     assert blocker.entered.wait(10)
     st = settle_cancel(eng, blocker, before)
-    assert st["requests_cancelled"] == before + 1
+    assert st.requests_cancelled == before + 1
 
 
 def test_non_stream_disconnect_cancels_too(env: dict[str, Any]) -> None:
     eng, blocker = env["engines"]["scripted"], env["blockers"]["scripted"]
-    before = eng.stats()["requests_cancelled"]
+    before = eng.stats().requests_cancelled
     blocker.arm()
     host, port = env["url"].removeprefix("http://").split(":")
     conn = http.client.HTTPConnection(host, int(port), timeout=30)
@@ -349,7 +349,7 @@ def test_non_stream_disconnect_cancels_too(env: dict[str, Any]) -> None:
     assert blocker.entered.wait(10)
     conn.close()
     st = settle_cancel(eng, blocker, before)
-    assert st["requests_cancelled"] == before + 1
+    assert st.requests_cancelled == before + 1
 
 
 def test_json_cache_headers(env: dict[str, Any]) -> None:

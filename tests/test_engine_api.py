@@ -9,6 +9,7 @@ import pytest
 
 import mlx_cairn
 from mlx_cairn.engine import Engine, paged
+from mlx_cairn.engine.stats import EngineStats
 from mlx_cairn.engine.testing import assert_at_rest, closing_at_rest, greedy_reference
 from mlx_cairn.errors import ContextLengthExceeded, EngineError, InvalidRequest
 from mlx_cairn.models.testing import tiny_model
@@ -54,7 +55,7 @@ def test_invalid_requests_fail_before_any_work(engine, request_, param):
     with pytest.raises(InvalidRequest) as e:
         engine.submit(request_)
     assert e.value.param == param
-    assert engine.stats()["requests_requests"] == 0
+    assert engine.stats().requests_total == 0
 
 
 def test_context_length_is_checked_up_front(engine, lm):
@@ -100,7 +101,7 @@ def test_count_tokens_ignores_max_tokens_and_capacity(engine, lm):
         engine.prepare(big)
     with pytest.raises(InvalidRequest):
         engine.count_tokens(ChatRequest(messages=[]))
-    assert engine.stats()["requests_requests"] == 0
+    assert engine.stats().requests_total == 0
 
 
 def test_async_generate_and_early_close_cancels(engine, lm):
@@ -121,7 +122,7 @@ def test_async_generate_and_early_close_cancels(engine, lm):
     assert n == 2
     assert ids == greedy_reference(lm, engine.prepare(req(max_tokens=24)).prompt_ids, 24)
     assert_at_rest(engine)
-    assert engine.stats()["requests_cancelled"] == 1
+    assert engine.stats().requests_cancelled == 1
 
 
 def test_streams_on_several_loops_at_once(engine):
@@ -160,7 +161,7 @@ def test_fault_in_a_step_fails_only_that_step(engine):
     assert_at_rest(engine)
     after = list(engine.generate_sync(req("survivor"), timeout=TIMEOUT))
     assert isinstance(after[-1], Done)
-    assert engine.stats()["requests_failed"] == 1
+    assert engine.stats().requests_failed == 1
 
 
 def test_fault_mid_decode_fails_the_batch_but_not_the_queue(lm):
@@ -210,8 +211,8 @@ def test_pool_sizing(lm):
     per_block = 2 * model.num_layers * 16 * model.num_kv_heads * model.head_dim * 4
     e = Engine(lm, kv_cache_gb=1000 * per_block / 2**30)
     try:
-        assert e.stats()["blocks_total"] == 999
-        assert e.stats()["kv_cache_bytes"] == 1000 * per_block
+        assert e.stats().blocks_total == 999
+        assert e.stats().kv_cache_bytes == 1000 * per_block
     finally:
         e.close()
     with pytest.raises(ValueError, match="does not fit"):
@@ -224,8 +225,8 @@ def test_pool_sizing(lm):
     try:
         st = default.stats()
         # Enough for max_batch full contexts, never more (the tiny model's are small).
-        assert st["blocks_total"] == 16 * lm.context_length // 16
-        assert st["kv_cache_bytes"] <= paged.DEFAULT_MAX_BYTES
+        assert st.blocks_total == 16 * lm.context_length // 16
+        assert st.kv_cache_bytes <= paged.DEFAULT_MAX_BYTES
     finally:
         default.close()
 
@@ -252,16 +253,11 @@ def test_default_pool_rule(monkeypatch, context, max_batch, avail_gib, blocks):
     assert got == blocks
 
 
-def test_stats_keys(engine):
+def test_stats_are_typed_and_consistent(engine):
     st = engine.stats()
-    for key in (
-        "queue_depth",
-        "running",
-        "blocks_total",
-        "blocks_free",
-        "blocks_cached",
-        "blocks_in_use",
-        "prefix_hit_tokens",
-        "preemptions",
-    ):
-        assert key in st
+    assert isinstance(st, EngineStats)
+    assert st.blocks_free + st.blocks_in_use == st.blocks_total > 0
+    assert st.block_size == engine.block_size
+    with pytest.raises(AttributeError):
+        st.requests_total  # noqa: B018  (a misspelt field fails loudly)
+    assert set(st.as_dict()) >= {"queue_depth", "running", "blocks_cached", "preemptions"}

@@ -123,7 +123,7 @@ def test_prefix_hit_reports_reused_tokens_and_same_tokens(lm, make_engine):
         shared += 1
     assert d2.usage.cached_tokens == (shared // engine.block_size) * engine.block_size
     assert d2.usage.cached_tokens >= 40
-    assert engine.stats()["prefix_hit_tokens"] >= d2.usage.cached_tokens
+    assert engine.stats().prefix_hit_tokens >= d2.usage.cached_tokens
     assert s2.output_ids == reference(lm, engine, second)
     # The same request on a cold engine computes the same tokens.
     cold = make_engine()
@@ -156,7 +156,7 @@ def test_cache_salt_separates_tenants(lm, make_engine):
 def test_arrivals_mid_decode(lm, make_engine):
     engine = make_engine(step_token_budget=16)
     first = engine.submit(greedy(PROMPTS[1], max_tokens=40))
-    wait_for(lambda: engine.stats()["generated_tokens"] >= 5)
+    wait_for(lambda: engine.stats().generated_tokens >= 5)
     later = [engine.submit(greedy(p)) for p in PROMPTS[2:]]
     assert isinstance(drain(first)[-1], Done)
     assert first.output_ids == reference(lm, engine, greedy(PROMPTS[1], max_tokens=40))
@@ -173,14 +173,14 @@ def test_preemption_in_a_tiny_pool(lm, make_engine):
     for req, s in zip(reqs, streams, strict=True):
         assert isinstance(drain(s)[-1], Done)
         assert s.output_ids == reference(lm, engine, req)
-    assert engine.stats()["preemptions"] > 0
+    assert engine.stats().preemptions > 0
 
 
 def test_cancelled_neighbour(lm, make_engine):
     engine = make_engine()
     reqs = [greedy(p, max_tokens=40) for p in PROMPTS[:3]]
     streams = [engine.submit(r) for r in reqs]
-    wait_for(lambda: engine.stats()["generated_tokens"] >= 6)
+    wait_for(lambda: engine.stats().generated_tokens >= 6)
     streams[1].cancel()
     for i in (0, 2):
         assert isinstance(drain(streams[i])[-1], Done)
@@ -189,7 +189,7 @@ def test_cancelled_neighbour(lm, make_engine):
     assert isinstance(last, (Error, Done))
     if isinstance(last, Error):
         assert last.kind == "cancelled"
-    assert engine.stats()["requests_cancelled"] <= 1
+    assert engine.stats().requests_cancelled <= 1
 
 
 def test_queue_cap_and_cancel_of_a_waiting_request(lm, make_engine):
@@ -197,7 +197,7 @@ def test_queue_cap_and_cancel_of_a_waiting_request(lm, make_engine):
     gate = threading.Event()
     engine._fault_hook = lambda: gate.wait(TIMEOUT)
     running = engine.submit(greedy(PROMPTS[0]))
-    wait_for(lambda: engine.stats()["queue_depth"] == 0)  # admitted, held in its first step
+    wait_for(lambda: engine.stats().queue_depth == 0)  # admitted, held in its first step
     queued = [engine.submit(greedy(p)) for p in PROMPTS[1:3]]
     with pytest.raises(QueueFull):
         engine.submit(greedy(PROMPTS[3]))
@@ -205,7 +205,7 @@ def test_queue_cap_and_cancel_of_a_waiting_request(lm, make_engine):
     queued[0].cancel()
     engine._fault_hook = None
     gate.set()
-    wait_for(lambda: engine.stats()["queue_depth"] <= 1)
+    wait_for(lambda: engine.stats().queue_depth <= 1)
     extra = engine.submit(greedy(PROMPTS[3]))
     for s in (running, queued[1], extra):
         assert isinstance(drain(s)[-1], Done)
@@ -256,7 +256,7 @@ def test_decode_never_stalls_behind_a_long_prefill(lm, make_engine):
         {s.arrival: s.num_computed for s in engine._scheduler.running}
     )
     a = engine.submit(greedy(PROMPTS[0], max_tokens=60))
-    wait_for(lambda: engine.stats()["generated_tokens"] >= 2)
+    wait_for(lambda: engine.stats().generated_tokens >= 2)
     long_prompt = greedy("word " * 150, max_tokens=4)
     b = engine.submit(long_prompt)
     drain(b)

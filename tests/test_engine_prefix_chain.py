@@ -45,10 +45,8 @@ def _seq(rid: int, prompt: list[int], max_tokens: int) -> Sequence:
 def _step(sched: Scheduler) -> None:
     """What the runner + engine do with a plan, with token values i*7 % 101."""
     plan = sched.schedule()
-    for seq in plan.decode:
-        seq.num_computed += 1
-    for seq, n in plan.prefill:
-        seq.num_computed += n
+    for r in plan.rows:
+        r.seq.num_computed = r.start + r.n
     for seq in plan.sequences():
         if seq.num_computed == seq.num_tokens:
             seq.tokens.append(len(seq.tokens) * 7 % 101)

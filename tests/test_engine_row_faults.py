@@ -51,7 +51,7 @@ def test_a_fault_tied_to_one_row_fails_that_row_only(phase: str, after: int) -> 
         for events, text in zip(results, [texts[0], texts[2]], strict=True):
             assert isinstance(events[-1], Done), events[-1]
             assert text_of(events) == text
-        assert engine.stats()["requests_failed"] == 1
+        assert engine.stats().requests_failed == 1
         engine._row_fault_hook = None
         again = list(engine.generate_sync(req("still serving"), timeout=TIMEOUT))
         assert isinstance(again[-1], Done) and text_of(again) == "still serving"
@@ -64,7 +64,7 @@ def test_a_failing_launch_is_retried_row_by_row() -> None:
     """The runner itself raising for a batch: rows that run alone go on."""
     engine = Engine(scripted_model(), num_blocks=256, block_size=8)
     runner = engine._runner
-    real = runner.launch
+    real = runner.execute
 
     def launch(plan: Any) -> Any:
         if any(s.request_id == victim_id for s in plan.sequences()):
@@ -75,7 +75,7 @@ def test_a_failing_launch_is_retried_row_by_row() -> None:
         with engine._lock:
             streams = [engine.submit(req(t)) for t in ("first", "victim", "third")]
         victim_id = streams[1].request_id
-        runner.launch = launch  # type: ignore[method-assign]
+        runner.execute = launch  # type: ignore[method-assign]
         results = [list(s.iter_sync(TIMEOUT)) for s in streams]
         assert isinstance(results[1][-1], Error)
         assert [text_of(results[0]), text_of(results[2])] == ["first", "third"]
@@ -90,12 +90,12 @@ def test_a_failed_read_back_never_leaves_a_request_stuck() -> None:
     flight, is lost with it. Every request still ends, and the engine goes on."""
     engine = Engine(scripted_model(), num_blocks=256, block_size=8)
     runner = engine._runner
-    real = runner.finalize
+    real = runner.read
     ids: dict[str, int] = {}
 
     def finalize(step: Any) -> Any:
         second = engine._seqs.get(ids.get("second", -1))
-        rows = {s.request_id for s in step.rows}
+        rows = {r.seq.request_id for r in step.rows}
         if second is not None and second.t_admit > 0 and ids["first"] in rows - {second.request_id}:
             ids["second"] = -1  # once
             step.sampled = None  # nothing can be read back, not even row by row
@@ -103,10 +103,10 @@ def test_a_failed_read_back_never_leaves_a_request_stuck() -> None:
         return real(step)
 
     try:
-        runner.finalize = finalize  # type: ignore[method-assign]
+        runner.read = finalize  # type: ignore[method-assign]
         first = engine.submit(req("word " * 60))
         ids["first"] = first.request_id
-        while engine.stats()["generated_tokens"] < 3:
+        while engine.stats().generated_tokens < 3:
             pass
         second = engine.submit(req("second request"))
         ids["second"] = second.request_id

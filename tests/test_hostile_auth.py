@@ -123,7 +123,7 @@ def assert_401(dialect: str, status: int, headers: dict[str, str], body: bytes) 
     ("method", "path", "dialect"), ROUTES, ids=[f"{m} {p}" for m, p, _ in ROUTES]
 )
 def test_every_route_refuses_every_bad_credential(env, method, path, dialect):
-    before = env["engine"].stats()["requests_requests"]
+    before = env["engine"].stats().requests_total
     body = b'{"model": "scripted", "max_tokens": 8, "messages": [{"role": "user", "content": "hi"}], "input": "hi"}'
     bodies = set()
     for headers in BAD:
@@ -133,15 +133,15 @@ def test_every_route_refuses_every_bad_credential(env, method, path, dialect):
         assert_401(dialect, status, hdrs, resp)
         bodies.add(resp)
     assert len(bodies) == 1, bodies  # one body per dialect, whatever failed
-    assert env["engine"].stats()["requests_requests"] == before
+    assert env["engine"].stats().requests_total == before
 
 
 def test_bytes_http_forbids_in_a_header_are_refused_before_the_app(env):
-    before = env["engine"].stats()["requests_requests"]
+    before = env["engine"].stats().requests_total
     for value in (TOKEN.encode() + b"\x00", b"\x00" + TOKEN.encode(), TOKEN.encode() + b"\r"):
         status, _, _ = raw_request(env["port"], "GET", "/v1/models", [(b"x-api-key", value)])
         assert status in (400, 401), status
-    assert env["engine"].stats()["requests_requests"] == before
+    assert env["engine"].stats().requests_total == before
 
 
 def test_header_names_are_case_insensitive(env):

@@ -118,11 +118,11 @@ def send(
 def untouched(env: dict[str, Any]) -> Iterator[None]:
     """The test's requests must all be refused before the engine sees them; it ends at rest."""
     engine = env["engine"]
-    before = engine.stats()["requests_requests"]
+    before = engine.stats().requests_total
     yield
     st = assert_at_rest(engine)
-    assert st["requests_requests"] == before, "a rejected request reached the engine"
-    assert st["queue_depth"] == 0 and st["running"] == 0
+    assert st.requests_total == before, "a rejected request reached the engine"
+    assert st.queue_depth == 0 and st.running == 0
 
 
 def nested_json(levels: int) -> str:

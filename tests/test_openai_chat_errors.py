@@ -112,12 +112,12 @@ def ok_body(**kw: Any) -> dict[str, Any]:
 )
 def test_validation_400(env: dict[str, Any], body: Any, param: str | None) -> None:
     eng = env["engines"]["scripted"]
-    before = eng.stats()["requests_requests"]
+    before = eng.stats().requests_total
     err = assert_openai_error(post(env, body), 400, "invalid_request_error")
     assert err["param"] == param
     if param:
         assert param in err["message"]
-    assert eng.stats()["requests_requests"] == before  # rejected before any model work
+    assert eng.stats().requests_total == before  # rejected before any model work
 
 
 def test_sdk_error_classes(env: dict[str, Any]) -> None:
@@ -171,7 +171,7 @@ def test_queue_full_is_429_with_retry_after(env: dict[str, Any]) -> None:
 
 def test_stream_disconnect_cancels_and_frees(env: dict[str, Any]) -> None:
     eng, blocker = env["engines"]["scripted"], env["blockers"]["scripted"]
-    before = eng.stats()["requests_cancelled"]
+    before = eng.stats().requests_cancelled
     blocker.arm(skip=3)  # a few tokens go out, then the engine is held mid-generation
     body = ok_body(messages=user(say("x " * 200)), max_tokens=300, stream=True)
     with httpx.stream(
@@ -186,7 +186,7 @@ def test_stream_disconnect_cancels_and_frees(env: dict[str, Any]) -> None:
 
 def test_non_stream_disconnect_cancels_too(env: dict[str, Any]) -> None:
     eng, blocker = env["engines"]["scripted"], env["blockers"]["scripted"]
-    before = eng.stats()["requests_cancelled"]
+    before = eng.stats().requests_cancelled
     blocker.arm(skip=3)
     host, port = env["url"].removeprefix("http://").split(":")
     conn = http.client.HTTPConnection(host, int(port), timeout=30)

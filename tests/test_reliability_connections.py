@@ -298,13 +298,13 @@ def test_a_client_that_closes_before_a_slow_answer_starts_is_let_go(env):
     # answer for it that has not started is cancelled once the half-close grace
     # has passed (the engine is held mid-generation meanwhile).
     eng, blocker = env["engine"], env["blocker"]
-    before = eng.stats()["requests_cancelled"]
+    before = eng.stats().requests_cancelled
     blocker.arm(skip=2)
     with connect(env) as s:
         s.sendall(request("POST", "/v1/messages", chat("z " * 100, max_tokens=300), ANTHROPIC))
         assert blocker.entered.wait(30)
     st = settle_cancel(eng, blocker, before)
-    assert st["requests_cancelled"] == before + 1
+    assert st.requests_cancelled == before + 1
 
 
 # -------------------------------------------------------------- disconnects

@@ -148,7 +148,7 @@ def test_forward_fault_fails_only_that_step(env, dialect, stream):
         # The second request arrives while the first is in the failing step: it waits.
         second = pool.submit(post, url, dialect, "single", say("second answer"), stream=False)
         deadline = threading.Event()
-        while engine.stats()["queue_depth"] < 1 and not deadline.wait(0.01):
+        while engine.stats().queue_depth < 1 and not deadline.wait(0.01):
             pass
         hook.fail = True
         hook.release.set()
@@ -160,8 +160,8 @@ def test_forward_fault_fails_only_that_step(env, dialect, stream):
     r3 = post(url, dialect, "single", say("third answer"), stream=False)
     assert r3.status_code == 200 and answer_of(dialect, r3) == "third answer"
     st = assert_at_rest(engine)
-    assert st["requests_failed"] == before["requests_failed"] + 1
-    assert st["requests_completed"] == before["requests_completed"] + 2
+    assert st.requests_failed == before.requests_failed + 1
+    assert st.requests_completed == before.requests_completed + 2
 
 
 def test_tiny_pool_preempts_and_queues_without_client_errors(env):
@@ -183,6 +183,6 @@ def test_tiny_pool_preempts_and_queues_without_client_errors(env):
         else:
             assert answer_of(dialect, r) == text
     st = assert_at_rest(engine)
-    assert st["preemptions"] > before["preemptions"], "the pool never ran dry: make it smaller"
-    assert st["requests_failed"] == before["requests_failed"]
-    assert st["requests_completed"] == before["requests_completed"] + len(jobs)
+    assert st.preemptions > before.preemptions, "the pool never ran dry: make it smaller"
+    assert st.requests_failed == before.requests_failed
+    assert st.requests_completed == before.requests_completed + len(jobs)

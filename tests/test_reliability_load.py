@@ -152,6 +152,6 @@ def test_concurrent_mixed_clients_with_disconnects():
     assert not wrong, wrong[:5]
     assert tally["done"] > CLIENTS, tally  # every steady client finished more than once
     assert tally["dropped"] > 0, tally
-    assert st["requests_failed"] == 0, st
-    assert st["preemptions"] > 0, st
-    assert st["requests_cancelled"] > 0, st  # the drops reached the engine as cancels
+    assert st.requests_failed == 0, st
+    assert st.preemptions > 0, st
+    assert st.requests_cancelled > 0, st  # the drops reached the engine as cancels

@@ -99,7 +99,7 @@ def test_metrics_count_requests_generations_and_blocks(server):
 
     out1 = r1.json()["usage"]["output_tokens"]
     st = server.engine.stats()
-    assert value(after, "cairn_generated_tokens_total", model="scripted") == st["generated_tokens"]
+    assert value(after, "cairn_generated_tokens_total", model="scripted") == st.generated_tokens
     assert delta("cairn_generated_tokens_total", model="scripted") >= out1 + 1
     # The second request shared the long system prompt: real prefix hits are visible.
     assert delta("cairn_prefix_cache_hit_tokens_total", model="scripted") > 0

@@ -101,10 +101,10 @@ def test_every_route_survives_generated_requests(case: Any, live: dict[str, Any]
 
 def test_engine_at_rest_afterwards(live: dict[str, Any]) -> None:
     st = assert_at_rest(live["engine"])
-    assert st["queue_depth"] == 0
+    assert st.queue_depth == 0
     # Generated bodies reached the model on every generation route, and many were refused.
     text = httpx.get(live["url"] + "/metrics", headers=AUTH, timeout=10).text
-    assert st["requests_completed"] > 0
+    assert st.requests_completed > 0
     for path, ops in DOCUMENT["paths"].items():
         if "post" in ops:
             for status in ("200", "400"):

@@ -27,6 +27,7 @@ from mlx_cairn.api.server import (
     build,
     kv_pool_problem,
 )
+from mlx_cairn.engine.stats import EngineStats
 from mlx_cairn.models.export import save_folder
 from mlx_cairn.models.testing import tiny_model
 
@@ -128,7 +129,7 @@ def test_a_kv_cache_that_cannot_serve_exits_2_after_loading_before_serving(tiny_
 
 def test_kv_pool_problem_says_how_much_is_enough():
     # 5 usable blocks of 16 tokens, 16 KiB each (the null block included in the bytes).
-    stats = {"blocks_total": 5, "block_size": 16, "kv_cache_bytes": 6 * 16384}
+    stats = EngineStats(blocks_total=5, block_size=16, kv_cache_bytes=6 * 16384)
     problem = kv_pool_problem("tiny", stats, 2048, 0.0001)
     assert problem is not None
     assert "--kv-cache-gb 0.0001 holds 80 tokens for tiny" in problem
@@ -137,7 +138,7 @@ def test_kv_pool_problem_says_how_much_is_enough():
     assert problem.endswith("use --kv-cache-gb 0.002 or more"), problem
     # A model whose whole context is shorter than the floor needs only its context.
     assert kv_pool_problem("tiny", stats, 64, 0.0001) is None
-    big = {"blocks_total": 4096, "block_size": 16, "kv_cache_bytes": 4097 * 16384}
+    big = EngineStats(blocks_total=4096, block_size=16, kv_cache_bytes=4097 * 16384)
     assert kv_pool_problem("tiny", big, 2048, 1.0) is None
 
 

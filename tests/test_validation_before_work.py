@@ -65,7 +65,7 @@ def post_deep(url: str, body: dict[str, Any], depth: int) -> httpx.Response:
 
 
 def requests_total(engine: Engine) -> int:
-    return int(engine.stats()["requests_total"])
+    return int(engine.stats().requests_total)
 
 
 @pytest.mark.parametrize("route", ROUTES)
@@ -137,4 +137,4 @@ def test_an_exception_after_submit_cancels_the_generation(
         time.sleep(0.01)
     assert requests_total(engine) == before + 1  # it was submitted ...
     stats = assert_at_rest(engine)  # ... and cancelled: nothing runs, no block is held
-    assert stats["running"] == 0 and stats["waiting"] == 0
+    assert stats.running == 0 and stats.waiting == 0

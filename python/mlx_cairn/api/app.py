@@ -251,7 +251,7 @@ async def health(request: Request) -> Response:
         entry: dict[str, Any] = sm.describe()
         engine = sm.engine
         if engine is not None:
-            entry["stats"] = await asyncio.to_thread(engine.stats)
+            entry["stats"] = (await asyncio.to_thread(engine.stats)).as_dict()
         models.append(entry)
     return json_response({"status": "ok", "version": __version__, "models": models})
 

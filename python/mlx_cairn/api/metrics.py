@@ -174,22 +174,20 @@ class _EngineCollector:
             if engine is None:
                 continue
             st = engine.stats()
-            queue.add_metric([name], _num(st.get("queue_depth")))
-            running.add_metric([name], _num(st.get("running")))
-            for state in ("free", "cached", "in_use"):
-                blocks.add_metric([name, state], _num(st.get(f"blocks_{state}")))
-            total.add_metric([name], _num(st.get("blocks_total")))
-            hits.add_metric([name], _num(st.get("prefix_hit_tokens")))
-            generated.add_metric([name], _num(st.get("generated_tokens")))
-            preempt.add_metric([name], _num(st.get("preemptions")))
-            for outcome in ("completed", "failed", "cancelled"):
-                outcomes.add_metric([name, outcome], _num(st.get(f"requests_{outcome}")))
+            queue.add_metric([name], float(st.queue_depth))
+            running.add_metric([name], float(st.running))
+            blocks.add_metric([name, "free"], float(st.blocks_free))
+            blocks.add_metric([name, "cached"], float(st.blocks_cached))
+            blocks.add_metric([name, "in_use"], float(st.blocks_in_use))
+            total.add_metric([name], float(st.blocks_total))
+            hits.add_metric([name], float(st.prefix_hit_tokens))
+            generated.add_metric([name], float(st.generated_tokens))
+            preempt.add_metric([name], float(st.preemptions))
+            outcomes.add_metric([name, "completed"], float(st.requests_completed))
+            outcomes.add_metric([name, "failed"], float(st.requests_failed))
+            outcomes.add_metric([name, "cancelled"], float(st.requests_cancelled))
         yield from (loaded, queue, running, blocks, total, hits, generated, preempt, outcomes)
         yield from (memory, last_used, load_s, loads, unloads)
-
-
-def _num(v: Any) -> float:
-    return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else 0.0
 
 
 class RequestCounter:

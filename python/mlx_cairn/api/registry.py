@@ -142,7 +142,7 @@ def measured_bytes(loaded: Any, engine: Any) -> int:
     stats = getattr(engine, "stats", None)
     if callable(stats):
         with contextlib.suppress(Exception):
-            total += int(stats().get("kv_cache_bytes", 0))
+            total += int(stats().kv_cache_bytes)
     return total
 
 
@@ -706,7 +706,7 @@ def _wait_idle(engine: Any, timeout: float = 10.0) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         st = stats()
-        if not st.get("running") and not st.get("queue_depth") and not st.get("waiting"):
+        if not (st.running or st.queue_depth or st.waiting):
             return
         time.sleep(0.01)
 

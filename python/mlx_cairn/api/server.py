@@ -28,7 +28,10 @@ import threading
 from collections.abc import Callable
 from pathlib import Path
 from types import FrameType
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from mlx_cairn.engine.stats import EngineStats
 
 from mlx_cairn.api.connection import DEFAULT_BODY_TIMEOUT, DEFAULT_HEADER_TIMEOUT, http_protocol
 from mlx_cairn.api.registry import DEFAULT_LOAD_WAIT, ModelRegistry
@@ -264,7 +267,7 @@ MIN_KV_TOKENS = 1024
 
 
 def kv_pool_problem(
-    name: str, stats: dict[str, Any], context: int, kv_cache_gb: float | None
+    name: str, stats: EngineStats, context: int, kv_cache_gb: float | None
 ) -> str | None:
     """What makes a loaded model's KV pool unfit to serve, or None.
 
@@ -273,9 +276,9 @@ def kv_pool_problem(
     :data:`MIN_KV_TOKENS` (or the whole ``context``, if shorter) is a problem;
     one below a full context only warns: longer requests get a 400 naming it.
     """
-    blocks, block_size = int(stats["blocks_total"]), int(stats["block_size"])
+    blocks, block_size = stats.blocks_total, stats.block_size
     tokens = blocks * block_size
-    per_block = float(stats["kv_cache_bytes"]) / (blocks + 1)
+    per_block = float(stats.kv_cache_bytes) / (blocks + 1)
 
     def gib_for(n: int) -> str:  # rounded up to the MiB, as a --kv-cache-gb value
         need = (-(-n // block_size) + 1) * per_block

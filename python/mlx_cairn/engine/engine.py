@@ -27,21 +27,22 @@ import threading
 import time
 import weakref
 from collections.abc import AsyncIterator, Callable, Iterator
+from dataclasses import replace
 from typing import Any
 
 import mlx.core as mx
 
 from mlx_cairn.engine import prepare as _prep
-from mlx_cairn.engine.output import SequenceOutput
 from mlx_cairn.engine.paged import KVPools, LayerSpec, pool_blocks
-from mlx_cairn.engine.reasoning import ReasoningBudget
-from mlx_cairn.engine.runner import InFlight, ModelRunner, merge_inflight
+from mlx_cairn.engine.runner import ModelRunner, SampledStep, StepOutput, merge_outputs
 from mlx_cairn.engine.scheduler import Scheduler, StepPlan
 from mlx_cairn.engine.sequence import PreparedRequest, Sequence
+from mlx_cairn.engine.stats import EngineStats
 from mlx_cairn.engine.stream import RequestStream
+from mlx_cairn.engine.update import RowResult, StateUpdate
 from mlx_cairn.errors import EngineError, QueueFull
 from mlx_cairn.kv import BlockPool, PrefixCache
-from mlx_cairn.types import Admitted, ChatRequest, Done, Error, Event, StopReason, Timings, Usage
+from mlx_cairn.types import ChatRequest, Error, Event
 
 log = logging.getLogger("mlx_cairn.engine")
 
@@ -143,11 +144,18 @@ class Engine:
         self._queued = 0  # submitted, not yet admitted (the max_queue cap)
         self._closing = False
         self._ids = itertools.count(1)
-        self._seqs: dict[int, Sequence] = {}  # engine thread only
-        self._inflight: InFlight | None = None  # the launched, not yet finalized step
-        self._counters = {"requests": 0, "completed": 0, "failed": 0, "cancelled": 0}
-        self._generated_tokens = 0
-        self._stats: dict[str, Any] = {}
+        # Engine thread only: the one writer of request state, and the step in flight.
+        # A weak reference: a cycle would keep the model and the pools alive
+        # after close() until the next garbage collection.
+        left_queue = weakref.WeakMethod(self._left_queue)
+        self._update = StateUpdate(
+            self._scheduler,
+            loaded_model.tokenizer,
+            self._eos,
+            lambda: (m := left_queue()) is not None and m(),
+        )
+        self._inflight: StepOutput | None = None  # launched, not read back yet
+        self._stats = EngineStats()
         self._snapshot_stats()
         self._thread = threading.Thread(target=self._loop, name="mlx-cairn-engine", daemon=True)
         _live_engines.add(self)
@@ -215,21 +223,11 @@ class Engine:
         """Synchronous generation for scripts (``timeout``: max seconds between events)."""
         return self.submit(request).iter_sync(timeout)
 
-    def stats(self) -> dict[str, Any]:
-        """Counters for /health and /metrics (a snapshot taken after the last step).
-
-        Keys: ``queue_depth`` (submitted, not yet admitted), ``running`` /
-        ``waiting`` (admitted / queued sequences, preempted ones included),
-        ``blocks_total`` (usable), ``blocks_free`` / ``blocks_in_use`` /
-        ``blocks_cached`` (registered in the prefix cache, free or in use), ``block_size``,
-        ``kv_cache_bytes``, ``prefix_hit_tokens``, ``preemptions``,
-        ``generated_tokens``, ``requests_total`` (= ``requests_requests``),
-        ``requests_completed`` / ``_failed`` / ``_cancelled``.
-        """
+    def stats(self) -> EngineStats:
+        """Counters for /health and /metrics (a snapshot taken after the last step,
+        with the live ``queue_depth``)."""
         with self._lock:
-            out = dict(self._stats)
-            out["queue_depth"] = self._queued
-        return out
+            return replace(self._stats, queue_depth=self._queued)
 
     def close(self, timeout: float = 30.0) -> None:
         """Stop the engine thread; unfinished requests end with an Error event."""
@@ -249,6 +247,14 @@ class Engine:
         with self._lock:
             self._cancels.add(request_id)
             self._lock.notify_all()
+
+    def _left_queue(self) -> None:
+        with self._lock:
+            self._queued -= 1
+
+    @property
+    def _seqs(self) -> dict[int, Sequence]:
+        return self._update.seqs
 
     # ------------------------------------------------------------ engine thread
 
@@ -275,18 +281,14 @@ class Engine:
             inbox, self._inbox = self._inbox, []
             cancels, self._cancels = self._cancels, set()
             closing = self._closing
+        up = self._update
         for seq in inbox:
-            self._seqs[seq.request_id] = seq
-            self._scheduler.add(seq)
-            self._counters["requests"] += 1
+            up.arrive(seq)
         for rid in cancels:
-            if (victim := self._seqs.get(rid)) is not None:
-                self._counters["cancelled"] += 1
-                self._end(victim, Error("cancelled", "the request was cancelled"))
+            up.cancel(rid)
         if closing:
             self._drain_inflight()
-            for seq in list(self._seqs.values()):
-                self._end(seq, Error("internal", "the engine was closed"))
+            up.fail_all("the engine was closed", count=False)
             self._snapshot_stats()
             return False
         try:
@@ -294,42 +296,37 @@ class Engine:
         except Exception as e:  # a bug outside the forward pass: fail everyone, go on
             log.exception("engine step failed")
             self._drain_inflight()
-            for seq in list(self._seqs.values()):
-                self._counters["failed"] += 1
-                self._end(seq, Error("internal", f"engine error: {e}"))
+            up.fail_all(f"engine error: {e}")
         self._snapshot_stats()
         return True
 
     def _step(self) -> None:
-        """Launch the next step, then finalize the previous one (see runner.py)."""
-        sched = self._scheduler
-        plan = sched.schedule(self._row_check("schedule"))
+        """Plan and launch the next step, then apply the previous one (see update.py)."""
+        up = self._update
+        up.row_hook = self._row_fault_hook
+        plan = self._scheduler.schedule(self._row_check("schedule"))
         for seq, err in plan.failed:
-            self._fail_row(seq, "scheduled", err)
-        launched: InFlight | None = None
+            up.fail(seq, "scheduled", err)
+        launched: StepOutput | None = None
         if plan:
-            now = time.perf_counter()
-            for seq in plan.sequences():
-                if seq.t_admit == 0.0:
-                    seq.t_admit = now
-                    with self._lock:
-                        self._queued -= 1
-                    seq.stream._push([Admitted(seq.num_prompt, max(seq.cached_tokens, 0))])
+            up.admitted(plan, time.perf_counter())
             try:
                 if self._fault_hook is not None:
                     self._fault_hook()
             except Exception as e:
                 log.warning("step failed for %d request(s): %s", len(plan.sequences()), e)
                 for seq in plan.sequences():
-                    self._counters["failed"] += 1
-                    self._end(seq, Error("internal", f"generation failed: {e}"))
+                    up.failed += 1
+                    up.end(seq, Error("internal", f"generation failed: {e}"))
             else:
                 launched = self._launch_isolated(plan)
+                if launched is not None:
+                    up.launched(launched)
         elif self._inflight is None:
-            self._unstick()
+            up.unstick()
         previous, self._inflight = self._inflight, launched
         if previous is not None:
-            self._finalize(previous)
+            self._apply(previous)
 
     # -------------------------------------------------- faults, one row at a time
 
@@ -339,157 +336,90 @@ class Engine:
             return None
         return lambda seq: hook(phase, seq)
 
-    def _fail_row(self, seq: Sequence, phase: str, err: BaseException) -> None:
-        """End one request whose settings or state failed it; the others go on."""
-        if self._seqs.get(seq.request_id) is not seq:
-            return
-        log.warning("request %d failed while %s: %s", seq.request_id, phase, err)
-        self._counters["failed"] += 1
-        self._end(seq, Error("internal", f"generation failed: {err}"))
-
-    def _launch(self, plan: StepPlan) -> InFlight:
+    def _execute(self, plan: StepPlan) -> StepOutput:
         check = self._row_check("launch")
         if check is not None:
             for seq in plan.sequences():
                 check(seq)
-        return self._runner.launch(plan)
+        return self._runner.execute(plan)
 
-    def _launch_isolated(self, plan: StepPlan) -> InFlight | None:
+    def _launch_isolated(self, plan: StepPlan) -> StepOutput | None:
         """Launch ``plan``; if that fails, find the rows that fail it and launch the rest.
 
-        A failed launch commits no bookkeeping (runner.launch changes sequence
-        state only once nothing can fail), so each row is retried alone; the
-        rows that fail alone are ended, the others were launched and their
-        steps are merged into one in-flight step. Writes a failed launch left
-        in the pools only touch its own rows' slots, and the retries rewrite them.
+        The runner writes no request state, so a failed launch leaves nothing
+        to undo: each row is retried alone; the rows that fail alone are ended,
+        the others were launched and their outputs are merged into one. Writes
+        a failed launch left in the pools only touch its own rows' slots, and
+        the retries rewrite them.
         """
         try:
-            return self._launch(plan)
+            return self._execute(plan)
         except Exception as e:
             first = e
         self._recover_pools()
         rows = plan.sequences()
         if len(rows) == 1:
-            self._fail_row(rows[0], "launched", first)
+            self._update.fail(rows[0], "launched", first)
             return None
-        parts: list[InFlight] = []
+        parts: list[StepOutput] = []
         for seq in rows:
             try:
-                parts.append(self._launch(plan.only(seq)))
+                parts.append(self._execute(plan.only(seq)))
             except Exception as e:
                 self._recover_pools()
-                self._fail_row(seq, "launched", e)
-        return merge_inflight(parts)
+                self._update.fail(seq, "launched", e)
+        return merge_outputs(parts)
 
-    def _read_back(self, step: InFlight) -> list[tuple[Sequence, int | BaseException]]:
-        """(sequence, token) per sampling row; a row whose read fails gets its exception."""
+    def _read_back(self, out: StepOutput) -> tuple[SampledStep, list[RowResult] | None]:
+        """The step's host values; when reading it whole fails, row by row (failed rows
+        get their exception)."""
         check = self._row_check("finalize")
         try:
             if check is not None:
-                for seq in step.rows:
-                    check(seq)
-            return list(self._runner.finalize(step))
+                for r in out.rows:
+                    check(r.seq)
+            return self._runner.read(out), None
         except Exception as e:
-            if step.sampled is None:
+            if out.sampled is None:
                 raise
             first = e
         log.warning("reading a step back failed (%s); reading its rows one by one", first)
-        out: list[tuple[Sequence, int | BaseException]] = []
-        for i, seq in enumerate(step.rows):
+        results: list[RowResult] = []
+        for i, r in enumerate(out.rows):
             try:
                 if check is not None:
-                    check(seq)
-                out.append((seq, int(step.sampled[i].item())))
+                    check(r.seq)
+                results.append(int(out.sampled[i].item()))
             except Exception as e:
-                out.append((seq, e))
-        return out
+                results.append(e)
+        # Logprobs are dropped with the batched read: the rows still get their tokens.
+        return SampledStep(out.plan, out.rows, [], {}), results
 
     # ------------------------------------------------------------ applying a step
 
-    def _finalize(self, step: InFlight) -> None:
-        """Read a launched step's tokens back and turn them into Events."""
+    def _apply(self, out: StepOutput) -> None:
+        """Read a launched step back and apply it."""
         try:
-            results = self._read_back(step)
+            step, results = self._read_back(out)
         except Exception as e:  # the device computation itself failed
             log.exception("a launched step failed")
-            for seq in step.plan.sequences():
-                if self._seqs.get(seq.request_id) is seq:
-                    self._counters["failed"] += 1
-                    self._end(seq, Error("internal", f"generation failed: {e}"))
+            for seq in out.plan.sequences():
+                if self._update.live(seq):
+                    self._update.failed += 1
+                    self._update.end(seq, Error("internal", f"generation failed: {e}"))
+            self._update.lost(out)
             self._drain_inflight()
             self._recover_pools()
             return
-        now = time.perf_counter()
-        check = self._row_check("update")
-        for seq, token in results:
-            if self._seqs.get(seq.request_id) is not seq:
-                continue  # ended (cancelled, failed, finished) while in flight
-            if isinstance(token, BaseException):
-                self._fail_row(seq, "read back", token)
-                continue
-            try:
-                if check is not None:
-                    check(seq)
-                self._apply_token(seq, token, now)
-            except Exception as e:  # one row's text side or bookkeeping: that row only
-                self._fail_row(seq, "updated", e)
-
-    def _apply_token(self, seq: Sequence, token: int, now: float) -> None:
-        seq.inflight.popleft()
-        if seq.forced is not None:
-            # Sampled after the reasoning budget ran out: replaced by the forced ids.
-            if not seq.inflight:
-                self._apply_forced(seq, now)
-            return
-        seq.tokens.append(token)
-        self._scheduler.register(seq)
-        self._on_token(seq, token, now)
-
-    def _apply_forced(self, seq: Sequence, now: float) -> None:
-        """Append the forced ids (the close of reasoning) as if they had been sampled.
-
-        Tokens sampled in their place were never fed to the model (a sequence
-        with forced ids is not scheduled), so nothing is rolled back but the
-        count of computed tokens, which may have run ahead onto them.
-        """
-        forced, seq.forced = seq.forced or [], None
-        seq.num_computed = min(seq.num_computed, len(seq.tokens))
-        for t in forced:
-            seq.tokens.append(t)
-            if not self._on_token(seq, t, now):
-                return
-        self._scheduler.register(seq)
-
-    def _unstick(self) -> None:
-        """Nothing could run and nothing is in flight: end what can never progress.
-
-        With the capacity check in prepare() and the rules above none of this
-        should happen; if it does, the loop must not spin on it.
-        """
-        sched = self._scheduler
-        for seq in list(sched.running):
-            if seq.num_pending == 0 and seq.forced is None:
-                self._fail_row(seq, "stuck", RuntimeError("the request has nothing left to run"))
-        if sched.waiting and not sched.running:
-            seq = sched.waiting[0]
-            self._end(seq, Error("internal", "the request does not fit in the KV cache"))
+        self._update.sampled(step, results)
 
     def _drain_inflight(self) -> None:
         """Wait for (and drop) a launched step."""
-        step, self._inflight = self._inflight, None
-        if step is not None:
+        out, self._inflight = self._inflight, None
+        if out is not None:
             with contextlib.suppress(Exception):
-                self._runner.finalize(step)
-            now = time.perf_counter()
-            for seq in step.rows:
-                if seq.inflight:
-                    # Its sampled token is lost: the last known token is fed again
-                    # (its KV row is rewritten, identically), or the sequence would
-                    # have nothing pending and never finish.
-                    seq.inflight.clear()
-                    seq.num_computed = min(seq.num_computed, len(seq.tokens) - 1)
-                if seq.forced is not None and self._seqs.get(seq.request_id) is seq:
-                    self._apply_forced(seq, now)  # or it would never be scheduled again
+                self._runner.read(out)
+            self._update.lost(out)
 
     def _recover_pools(self) -> None:
         # Writes of a failed step may still be pending in the pool graphs; they
@@ -500,110 +430,34 @@ class Engine:
             log.exception("KV pools could not be evaluated; rebuilding them")
             self._inflight = None
             for seq in list(self._seqs.values()):
-                self._end(seq, Error("internal", "the KV cache was reset"))
+                self._update.end(seq, Error("internal", "the KV cache was reset"))
             p = self._pools
             p.reset()
             self._pool = BlockPool(num_blocks=p.num_blocks, block_size=p.block_size)
             self._cache = PrefixCache(self._pool)
             self._scheduler.pool, self._scheduler.cache = self._pool, self._cache
 
-    def _on_token(self, seq: Sequence, token: int, now: float) -> bool:
-        """Turn one new token into Events; False once the sequence has ended."""
-        self._generated_tokens += 1
-        if seq.t_first_token == 0.0:
-            seq.t_first_token = now
-        if seq.pipeline is None:
-            seq.pipeline = SequenceOutput(self.loaded.tokenizer, seq.prepared)
-            p = seq.prepared
-            if p.reasoning_budget is not None:
-                seq.budget = ReasoningBudget(
-                    budget=p.reasoning_budget,
-                    open_ids=p.reasoning_tags[0],
-                    close_ids=p.reasoning_tags[1],
-                    in_reasoning=p.in_reasoning,
-                )
-        out: SequenceOutput = seq.pipeline
-        reason: StopReason | None = None
-        matched: str | None = None
-        try:
-            if token in self._eos:
-                events = out.flush()
-                reason = "end_turn"
-            else:
-                events, matched = out.push(token)
-                if matched is not None:
-                    reason = "stop_sequence"
-                elif seq.num_output >= seq.prepared.max_tokens:
-                    events += out.flush()
-                    reason = "max_tokens"
-        except Exception as e:  # a text-side failure ends only this request
-            log.warning("text pipeline failed: %s", e)
-            self._counters["failed"] += 1
-            self._end(seq, Error("internal", f"output processing failed: {e}"))
-            return False
-        if reason == "end_turn" and out.saw_tool_call:
-            reason = "tool_use"
-        if reason is None:
-            seq.stream._push(events)
-            if seq.budget is not None and (force := seq.budget.push(token)) is not None:
-                # Close the reasoning unless max_tokens would cut the tag itself.
-                if seq.num_output + len(force) < seq.prepared.max_tokens:
-                    seq.forced = force
-                if seq.forced is not None and not seq.inflight:
-                    self._apply_forced(seq, now)
-            return seq.request_id in self._seqs
-        self._counters["completed"] += 1
-        self._end(seq, None)
-        seq.stream._push([*events, self._done(seq, reason, matched, now)])
-        return False
-
-    def _done(self, seq: Sequence, reason: StopReason, matched: str | None, now: float) -> Done:
-        prompt = seq.num_prompt
-        cached = max(seq.cached_tokens, 0)
-        first = seq.t_first_token or now
-        decode_n = seq.num_output - 1
-        timings = Timings(
-            queue_ms=1000 * (seq.t_admit - seq.t_submit) if seq.t_admit else 0.0,
-            ttft_ms=1000 * (first - seq.t_submit),
-            prefill_tokens_per_s=(prompt - cached) / (first - seq.t_admit)
-            if seq.t_admit > 0 and first > seq.t_admit
-            else 0.0,
-            decode_tokens_per_s=decode_n / (now - first) if decode_n > 0 and now > first else 0.0,
-        )
-        usage = Usage(input_tokens=prompt, output_tokens=seq.num_output, cached_tokens=cached)
-        return Done(stop_reason=reason, matched_stop=matched, usage=usage, timings=timings)
-
-    def _end(self, seq: Sequence, final: Done | Error | None) -> None:
-        """Remove ``seq`` from the engine (freeing its blocks) and end its stream."""
-        if self._seqs.pop(seq.request_id, None) is None:
-            return
-        if seq.t_admit == 0.0:
-            with self._lock:
-                self._queued -= 1
-            seq.t_admit = -1.0  # counted out of the queue
-        self._scheduler.remove(seq)
-        seq.stream.output_ids = seq.tokens[seq.num_prompt :]
-        if final is not None:
-            seq.stream._finish(final)
-
     def _snapshot_stats(self) -> None:
         c = self._cache.stats()
         sched = self._scheduler
-        snap = {
-            "running": len(sched.running),
-            "waiting": len(sched.waiting),
-            "blocks_total": c.get("blocks_total", self._pools.num_blocks),
-            "blocks_free": c.get("blocks_free"),
-            "blocks_cached": c.get("blocks_cached"),
-            "blocks_in_use": c.get("blocks_in_use"),
-            "block_size": self.block_size,
-            "kv_cache_bytes": self._pools.nbytes,
-            "prefix_hit_tokens": sched.prefix_hit_tokens,
-            "preemptions": sched.num_preemptions,
-            "generated_tokens": self._generated_tokens,
-            **{f"requests_{k}": v for k, v in self._counters.items()},
-            "requests_total": self._counters["requests"],
-        }
+        up = self._update
+        snap = EngineStats(
+            running=len(sched.running),
+            waiting=len(sched.waiting),
+            blocks_total=int(c["blocks_total"]),
+            blocks_free=int(c["blocks_free"]),
+            blocks_cached=int(c["blocks_cached"]),
+            blocks_in_use=int(c["blocks_in_use"]),
+            block_size=self.block_size,
+            kv_cache_bytes=self._pools.nbytes,
+            prefix_hit_tokens=sched.prefix_hit_tokens,
+            preemptions=sched.num_preemptions,
+            generated_tokens=up.generated_tokens,
+            requests_total=up.requests,
+            requests_completed=up.completed,
+            requests_failed=up.failed,
+            requests_cancelled=up.cancelled,
+        )
         with self._lock:
             self._stats = snap
 

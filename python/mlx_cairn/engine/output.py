@@ -10,6 +10,8 @@ the output parser (reasoning / tool-call tags) over each decoded chunk::
 
 from __future__ import annotations
 
+import functools
+import re
 import secrets
 from typing import Any
 
@@ -62,3 +64,40 @@ def _event(seg: Any) -> Event:
     if seg.kind == "tool_call":
         return ToolCall(f"call_{secrets.token_hex(12)}", seg.name or "", seg.arguments or "{}")
     raise TypeError(f"unexpected text pipeline segment {seg!r}")
+
+
+def token_text(tokenizer: Any, token_id: int) -> tuple[str, tuple[int, ...]]:
+    """One token's text (as it decodes alone) and its bytes.
+
+    A token holding part of a UTF-8 character decodes to U+FFFD; its bytes
+    come from the vocabulary piece then: SentencePiece byte-fallback pieces
+    (``<0xAB>``) and byte-level BPE pieces (GPT-2's byte-to-character table).
+    """
+    text = tokenizer.decode([token_id], skip_special_tokens=False)
+    if "\ufffd" not in text:
+        return text, tuple(text.encode("utf-8"))
+    piece = tokenizer.id_to_token(token_id) or ""
+    m = _BYTE_PIECE.fullmatch(piece)
+    if m is not None:
+        return text, (int(m.group(1), 16),)
+    table = _byte_decoder()
+    if piece and all(ch in table for ch in piece):
+        return text, tuple(table[ch] for ch in piece)
+    return text, tuple(text.encode("utf-8"))
+
+
+_BYTE_PIECE = re.compile(r"<0x([0-9A-Fa-f]{2})>")
+
+
+@functools.cache
+def _byte_decoder() -> dict[str, int]:
+    """GPT-2's reversible byte -> printable character table, inverted."""
+    keep = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAC + 1), *range(0xAE, 0xFF + 1)]
+    chars = list(keep)
+    n = 0
+    for b in range(256):
+        if b not in keep:
+            keep.append(b)
+            chars.append(256 + n)
+            n += 1
+    return {chr(c): b for b, c in zip(keep, chars, strict=True)}

@@ -22,10 +22,15 @@ from mlx_cairn.engine.prompt_bound import vocab_bound
 from mlx_cairn.engine.sequence import PreparedRequest
 from mlx_cairn.errors import ContextLengthExceeded, InvalidRequest
 from mlx_cairn.types import (
+    MAX_LOGIT_BIAS,
+    MAX_LOGIT_BIAS_ENTRIES,
+    MAX_PENALTY,
+    MAX_REPETITION_PENALTY,
     MAX_SEED,
     MAX_STOP_SEQUENCE_CHARS,
     MAX_STOP_SEQUENCES,
     MAX_TOP_K,
+    MAX_TOP_LOGPROBS,
     MIN_SEED,
     ChatRequest,
     SamplingParams,
@@ -46,12 +51,49 @@ def validate_sampling(s: SamplingParams) -> SamplingParams:
         raise bad("top_k", f"top_k must be an integer in [0, {MAX_TOP_K}], got {s.top_k!r}")
     if not _finite(s.min_p) or not 0 <= s.min_p <= 1:
         raise bad("min_p", f"min_p must be in [0, 1], got {s.min_p!r}")
+    for name in ("frequency_penalty", "presence_penalty"):
+        v = getattr(s, name)
+        if not _finite(v) or not -MAX_PENALTY <= v <= MAX_PENALTY:
+            raise bad(name, f"{name} must be in [{-MAX_PENALTY}, {MAX_PENALTY}], got {v!r}")
+    rp = s.repetition_penalty
+    if not _finite(rp) or not 0 < rp <= MAX_REPETITION_PENALTY:
+        raise bad(
+            "repetition_penalty",
+            f"repetition_penalty must be in (0, {MAX_REPETITION_PENALTY}], got {rp!r}",
+        )
+    if not isinstance(s.logit_bias, dict) or len(s.logit_bias) > MAX_LOGIT_BIAS_ENTRIES:
+        raise bad(
+            "logit_bias",
+            f"logit_bias must map at most {MAX_LOGIT_BIAS_ENTRIES} token ids to numbers",
+        )
+    for tid, v in s.logit_bias.items():
+        if not isinstance(tid, int) or isinstance(tid, bool) or tid < 0:
+            raise bad("logit_bias", f"logit_bias keys must be token ids, got {tid!r}")
+        if not _finite(v) or not -MAX_LOGIT_BIAS <= v <= MAX_LOGIT_BIAS:
+            raise bad(
+                "logit_bias",
+                f"logit_bias values must be in [{-MAX_LOGIT_BIAS}, {MAX_LOGIT_BIAS}], got {v!r}",
+            )
+    k = s.top_logprobs
+    if not isinstance(k, int) or isinstance(k, bool) or not 0 <= k <= MAX_TOP_LOGPROBS:
+        raise bad(
+            "top_logprobs", f"top_logprobs must be an integer in [0, {MAX_TOP_LOGPROBS}], got {k!r}"
+        )
     seed = s.seed
     if seed is None:
         seed = secrets.randbits(63)
     elif not isinstance(seed, int) or isinstance(seed, bool) or not MIN_SEED <= seed <= MAX_SEED:
         raise bad("seed", f"seed must be a 64-bit integer, got {seed!r}")
     return replace(s, seed=seed)
+
+
+def vocab_size(loaded: Any) -> int:
+    """Width of the model's logits (the model's vocabulary, padding included)."""
+    for owner in (loaded.model, getattr(loaded.model, "args", None)):
+        n = getattr(owner, "vocab_size", None)
+        if isinstance(n, int) and n > 0:
+            return n
+    return int(loaded.tokenizer.vocab_size)
 
 
 def _finite(x: Any) -> bool:
@@ -160,6 +202,14 @@ def prepare(
                 param="stop",
             )
     sampling = validate_sampling(request.sampling)
+    if sampling.logit_bias:
+        vocab = vocab_size(loaded)
+        for tid in sampling.logit_bias:
+            if tid >= vocab:
+                raise InvalidRequest(
+                    f"logit_bias token id {tid} is outside the vocabulary (0..{vocab - 1})",
+                    param="logit_bias",
+                )
     limit = min(context_length, max_tokens_capacity)
     what = (
         "the model's context"

@@ -5,158 +5,169 @@ One step is built as a single lazy MLX graph and queued with ``mx.async_eval``::
     decode rows  (B x 1 tokens, ragged contexts)   -> logits [B, vocab]
     prefill chunk per sequence (1 x n tokens)      -> logits [1, vocab] if it is the
                                                       sequence's last pending chunk
-    sample(all logits, per-row settings)           -> one token per finished row
-    async_eval(tokens, every pool array)
+    logits processors (penalties, bias, masks)     -> logits [R, vocab], R sampling rows
+    sample(logits, per-row settings)               -> one token per sampling row
+    log-probabilities of the raw logits            -> for the rows that ask
+    async_eval(tokens, logprobs, every pool array)
 
+The runner reads the plan and the sequences' tokens and writes no request
+state: the engine's update step commits what a launched step computed.
 The engine launches step n+1 (whose decode inputs are step n's still-lazy
-tokens) before reading step n's tokens back, so building the next graph in
-Python overlaps the forward pass on the device::
+tokens, the plan's placeholders) before reading step n's tokens back, so
+building the next graph in Python overlaps the forward pass on the device::
 
-    launch(1)  launch(2) finalize(1)  launch(3) finalize(2)  ...
+    execute(1)  execute(2) read(1)  execute(3) read(2)  ...
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import mlx.core as mx
 
+from mlx_cairn.engine import logits as _logits
 from mlx_cairn.engine.paged import KVPools, PagedKVCache
-from mlx_cairn.engine.sampler import RowSampler, sample
-from mlx_cairn.engine.scheduler import StepPlan
-from mlx_cairn.engine.sequence import Sequence
+from mlx_cairn.engine.sampler import sample_rows
+from mlx_cairn.engine.scheduler import RowPlan, StepPlan
 
 
 @dataclass(slots=True)
-class InFlight:
-    """A launched step: its plan, the rows that sample, and their lazy tokens."""
+class StepOutput:
+    """What a launched step will sample: lazy until read back.
+
+    ``rows`` are the plan's sampling rows, in the order of ``sampled``.
+    """
 
     plan: StepPlan
-    rows: list[Sequence]
+    rows: tuple[RowPlan, ...]
     sampled: mx.array | None
+    #: (offset of its first row in ``rows``, lazy logprobs) per launched part.
+    logprobs: list[tuple[int, _logits.StepLogprobs]] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class SampledStep:
+    """A step's output on the host: one token per sampling row (and logprobs)."""
+
+    plan: StepPlan
+    rows: tuple[RowPlan, ...]
+    tokens: list[int]
+    #: {row index: (chosen logprob, [(token id, logprob), ...])}
+    logprobs: dict[int, tuple[float, list[tuple[int, float]]]]
 
 
 class ModelRunner:
-    """Owns the forward calls of the engine thread."""
+    """Owns the forward calls of the engine thread. Reads sequences, writes none."""
 
     def __init__(self, model: Any, pools: KVPools) -> None:
         self.model = model
         self.pools = pools
 
-    def launch(self, plan: StepPlan) -> InFlight:
-        """Build and queue ``plan``'s graph; advance ``num_computed`` and push lazy tokens."""
-        rows: list[Sequence] = []
+    def execute(self, plan: StepPlan) -> StepOutput:
+        """Build and queue ``plan``'s graph (``mx.async_eval``); nothing is waited for."""
+        rows: list[RowPlan] = []
         parts: list[mx.array] = []
         if plan.decode:
-            seqs = plan.decode
-            tokens = mx.stack([_token_at(s, s.num_computed) for s in seqs])[:, None]
+            dec = plan.decode
+            tokens = mx.stack([_token_at(r) for r in dec])[:, None]
             cache = PagedKVCache(
-                self.pools, [s.block_ids for s in seqs], [s.num_computed for s in seqs], 1
+                self.pools, [list(r.block_ids) for r in dec], [r.start for r in dec], 1
             )
             h = self.model(tokens, cache)
             parts.append(self.model.logits(h[:, -1, :]))
-            rows.extend(seqs)
-        for group in _prefill_groups(plan.prefill):
-            for seq, _ in group:
-                if seq.inflight:
+            rows.extend(dec)
+        for group in _prefill_groups(list(plan.prefill)):
+            width = max(r.n for r in group)
+            ids = []
+            for r in group:
+                if r.placeholder:
                     raise RuntimeError("a prefill chunk cannot include a token in flight")
-            width = max(n for _, n in group)
-            ids = [
-                seq.tokens[seq.num_computed : seq.num_computed + n] + [0] * (width - n)
-                for seq, n in group
-            ]
+                ids.append(r.seq.tokens[r.start : r.start + r.n] + [0] * (width - r.n))
             cache = PagedKVCache(
                 self.pools,
-                [seq.block_ids for seq, _ in group],
-                [seq.num_computed for seq, _ in group],
-                [n for _, n in group],
+                [list(r.block_ids) for r in group],
+                [r.start for r in group],
+                [r.n for r in group],
             )
             h = self.model(mx.array(ids, dtype=mx.int32), cache)
-            last = [
-                (b, n - 1)
-                for b, (seq, n) in enumerate(group)
-                if seq.num_computed + n == seq.num_tokens
-            ]
+            last = [(b, r.n - 1) for b, r in enumerate(group) if r.samples]
             if last:
                 rows_idx = mx.array([b for b, _ in last], dtype=mx.int32)
                 cols_idx = mx.array([c for _, c in last], dtype=mx.int32)
                 parts.append(self.model.logits(h[rows_idx, cols_idx, :]))
-                rows.extend(group[b][0] for b, _ in last)
-        sampled = None
-        if rows:
-            logits = parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=0)
-            samplers = []
-            for seq in rows:
-                if seq.sampler is None:
-                    seq.sampler = RowSampler(seq.prepared.sampling)
-                # A row's random stream is keyed by (seed, output index) only.
-                seq.sampler.step = seq.num_tokens - seq.num_prompt
-                samplers.append(seq.sampler)
-            sampled = sample(logits, samplers)
-            mx.async_eval(sampled, self.pools.arrays())
-        else:
+                rows.extend(group[b] for b, _ in last)
+        if not rows:
             mx.async_eval(self.pools.arrays())
-        # Only now that nothing can fail: commit the bookkeeping.
-        for seq in plan.decode:
-            seq.num_computed += 1
-        for seq, n in plan.prefill:
-            seq.num_computed += n
-        if sampled is not None:
-            for i, seq in enumerate(rows):
-                seq.inflight.append(sampled[i])
-        return InFlight(plan, rows, sampled)
+            return StepOutput(plan, (), None)
+        raw = parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=0)
+        seqs = [r.seq for r in rows]
+        processed = _logits.process(seqs, raw)
+        sampled = sample_rows(
+            processed, [r.seq.prepared.sampling for r in rows], [r.out_index for r in rows]
+        )
+        lp = _logits.step_logprobs(seqs, raw, sampled)
+        mx.async_eval(sampled, *(lp.arrays() if lp is not None else ()), self.pools.arrays())
+        return StepOutput(plan, tuple(rows), sampled, [(0, lp)] if lp is not None else [])
 
-    def finalize(self, step: InFlight) -> list[tuple[Sequence, int]]:
-        """Wait for ``step``; return (sequence, token) per sampling row."""
-        if step.sampled is None:
+    def read(self, out: StepOutput) -> SampledStep:
+        """Wait for ``out``; its tokens (and logprobs) on the host."""
+        if out.sampled is None:
             mx.eval(self.pools.arrays())
-            return []
-        values: list[int] = step.sampled.tolist()  # type: ignore[assignment]
-        return list(zip(step.rows, values, strict=True))
+            return SampledStep(out.plan, (), [], {})
+        tokens: list[int] = out.sampled.tolist()  # type: ignore[assignment]
+        lp = {off + row: v for off, part in out.logprobs for row, v in part.read().items()}
+        return SampledStep(out.plan, out.rows, tokens, lp)
 
 
-def merge_inflight(parts: list[InFlight]) -> InFlight | None:
-    """One in-flight step from several launched separately (rows in order)."""
+def merge_outputs(parts: list[StepOutput]) -> StepOutput | None:
+    """One step output from several launched separately (rows in order)."""
     if not parts:
         return None
     if len(parts) == 1:
         return parts[0]
     plan = StepPlan(
-        decode=[s for p in parts for s in p.plan.decode],
-        prefill=[c for p in parts for c in p.plan.prefill],
+        decode=tuple(r for p in parts for r in p.plan.decode),
+        prefill=tuple(r for p in parts for r in p.plan.prefill),
     )
     sampled = [p.sampled for p in parts if p.sampled is not None]
-    return InFlight(
+    logprobs = []
+    offset = 0
+    for p in parts:
+        logprobs.extend((offset + off, lp) for off, lp in p.logprobs)
+        offset += len(p.rows)
+    return StepOutput(
         plan,
-        [s for p in parts for s in p.rows],
+        tuple(r for p in parts for r in p.rows),
         mx.concatenate(sampled) if sampled else None,
+        logprobs,
     )
 
 
-def _prefill_groups(chunks: list[tuple[Sequence, int]]) -> list[list[tuple[Sequence, int]]]:
+def _prefill_groups(chunks: list[RowPlan]) -> list[list[RowPlan]]:
     """Batch prefill chunks into forward calls, padding each to its longest chunk.
 
     One call reads the weights once, so batching saves time as long as the
     padding stays small: chunks are sorted by length and a group is cut when
     padding would exceed a quarter of its real tokens.
     """
-    groups: list[list[tuple[Sequence, int]]] = []
-    for seq, n in sorted(chunks, key=lambda c: -c[1]):
+    groups: list[list[RowPlan]] = []
+    for r in sorted(chunks, key=lambda c: -c.n):
         g = groups[-1] if groups else None
         if g is not None:
-            width = g[0][1]
-            real = sum(m for _, m in g) + n
+            width = g[0].n
+            real = sum(m.n for m in g) + r.n
             if (len(g) + 1) * width <= 1.25 * real + 16:
-                g.append((seq, n))
+                g.append(r)
                 continue
-        groups.append([(seq, n)])
+        groups.append([r])
     return groups
 
 
-def _token_at(seq: Sequence, pos: int) -> mx.array:
-    """Token ``pos`` of ``seq`` as an int32 scalar (lazy if it is still in flight)."""
+def _token_at(r: RowPlan) -> mx.array:
+    """The token a decode row feeds, as an int32 scalar (lazy if it is a placeholder)."""
+    seq = r.seq
     known = len(seq.tokens)
-    if pos < known:
-        return mx.array(seq.tokens[pos], dtype=mx.int32)
-    return seq.inflight[pos - known].astype(mx.int32)
+    if r.start < known:
+        return mx.array(seq.tokens[r.start], dtype=mx.int32)
+    return seq.inflight[r.start - known].astype(mx.int32)

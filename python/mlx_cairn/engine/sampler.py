@@ -107,15 +107,35 @@ def sample_tokens(
 
 def sample(logits: mx.array, rows: Sequence[RowSampler]) -> mx.array:
     """Sample one token per row of ``logits`` [B, V]; advances each row's step."""
-    if logits.ndim != 2 or logits.shape[0] != len(rows):
-        raise ValueError(f"logits {logits.shape} do not match {len(rows)} rows")
-    ps = [r.params for r in rows]
-    uniform = np.ones(len(rows), dtype=np.float64)
-    for i, r in enumerate(rows):
-        if r.greedy:  # the draw would go unused: skip building its generator
-            r.step += 1
-        else:
-            uniform[i] = r.next_uniform()
+    out = sample_rows(
+        logits, [r.params for r in rows], [r.step for r in rows], [r.seed for r in rows]
+    )
+    for r in rows:
+        r.step += 1
+    return out
+
+
+def sample_rows(
+    logits: mx.array,
+    params: Sequence[SamplingParams],
+    steps: Sequence[int],
+    seeds: Sequence[int] | None = None,
+) -> mx.array:
+    """Stateless: sample row b of ``logits`` [B, V] with ``params[b]`` at output index ``steps[b]``.
+
+    ``seeds`` default to each row's ``params.seed`` (resolved by the engine's
+    prepare step, so never None there).
+    """
+    if logits.ndim != 2 or logits.shape[0] != len(params):
+        raise ValueError(f"logits {logits.shape} do not match {len(params)} rows")
+    ps = params
+    uniform = np.ones(len(ps), dtype=np.float64)
+    for i, p in enumerate(ps):
+        if p.temperature >= GREEDY_BELOW_TEMPERATURE:  # greedy rows leave the draw unused
+            seed = seeds[i] if seeds is not None else p.seed
+            if seed is None:
+                raise ValueError("a sampled row needs a seed")
+            uniform[i] = row_uniform(seed, steps[i])
     return sample_tokens(
         logits,
         temperature=np.array([p.temperature for p in ps], dtype=np.float32),

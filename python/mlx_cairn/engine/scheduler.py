@@ -28,32 +28,97 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from mlx_cairn.engine.logits import needs_host_token
 from mlx_cairn.engine.sequence import Sequence
 
 
-@dataclass(slots=True)
-class StepPlan:
-    """What one engine step computes."""
+@dataclass(frozen=True, slots=True)
+class RowPlan:
+    """One sequence's part of a step, fixed when the step is planned::
 
-    #: Sequences decoding one token each (one batched forward call).
-    decode: list[Sequence] = field(default_factory=list)
-    #: (sequence, number of tokens) prefill chunks.
-    prefill: list[tuple[Sequence, int]] = field(default_factory=list)
+    tokens + inflight:  ... | start ........ start+n | ...
+                              fed this step (n)
+    placeholder: the fed tokens include the look-ahead token, sampled by
+                 the step before and not read back yet (a lazy array)
+    samples:     start + n reaches the end of the known + in-flight tokens,
+                 so this row samples the next token
+    """
+
+    seq: Sequence
+    start: int
+    n: int
+    samples: bool
+    placeholder: bool
+    #: The sequence's block table at planning time (covers start + n tokens).
+    block_ids: tuple[int, ...]
+    #: Index of the output token this row samples (keys its random stream).
+    out_index: int
+
+    @staticmethod
+    def of(seq: Sequence, n: int) -> RowPlan:
+        end = seq.num_computed + n
+        return RowPlan(
+            seq=seq,
+            start=seq.num_computed,
+            n=n,
+            samples=end == seq.num_tokens,
+            placeholder=end > len(seq.tokens),
+            block_ids=tuple(seq.block_ids),
+            out_index=seq.num_tokens - seq.num_prompt,
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class StepPlan:
+    """What one engine step computes (immutable once planned)."""
+
+    #: Rows decoding one token each (one batched forward call).
+    decode: tuple[RowPlan, ...] = ()
+    #: Prefill chunks.
+    prefill: tuple[RowPlan, ...] = ()
     #: Sequences whose planning raised (already removed, blocks freed), with why.
-    failed: list[tuple[Sequence, BaseException]] = field(default_factory=list)
+    failed: tuple[tuple[Sequence, BaseException], ...] = ()
+
+    @property
+    def rows(self) -> tuple[RowPlan, ...]:
+        return (*self.decode, *self.prefill)
 
     def sequences(self) -> list[Sequence]:
-        return [*self.decode, *(s for s, _ in self.prefill)]
+        return [r.seq for r in self.rows]
 
     def only(self, seq: Sequence) -> StepPlan:
         """The part of this plan that runs ``seq``."""
         return StepPlan(
-            decode=[s for s in self.decode if s is seq],
-            prefill=[(s, n) for s, n in self.prefill if s is seq],
+            decode=tuple(r for r in self.decode if r.seq is seq),
+            prefill=tuple(r for r in self.prefill if r.seq is seq),
         )
 
     def __bool__(self) -> bool:
         return bool(self.decode or self.prefill)
+
+
+@dataclass(slots=True)
+class _Draft:
+    """A plan while it is being built (preemption may still take rows out)."""
+
+    decode: list[Sequence] = field(default_factory=list)
+    prefill: list[tuple[Sequence, int]] = field(default_factory=list)
+    failed: list[tuple[Sequence, BaseException]] = field(default_factory=list)
+
+    def discard(self, seq: Sequence) -> None:
+        if seq in self.decode:
+            self.decode.remove(seq)
+        self.prefill = [(s, n) for s, n in self.prefill if s is not seq]
+
+    def has(self, seq: Sequence) -> bool:
+        return seq in self.decode or any(s is seq for s, _ in self.prefill)
+
+    def freeze(self) -> StepPlan:
+        return StepPlan(
+            decode=tuple(RowPlan.of(s, 1) for s in self.decode),
+            prefill=tuple(RowPlan.of(s, n) for s, n in self.prefill),
+            failed=tuple(self.failed),
+        )
 
 
 class Scheduler:
@@ -111,7 +176,7 @@ class Scheduler:
         for each) is dropped, its blocks freed, and listed in ``plan.failed``;
         the others are planned as if it had not been there.
         """
-        plan = StepPlan()
+        plan = _Draft()
         for seq in list(self.running):
             if seq not in self.running:
                 continue
@@ -122,6 +187,7 @@ class Scheduler:
                     seq.num_pending == 1
                     and seq.wants_more
                     and seq.forced is None
+                    and not (seq.inflight and needs_host_token(seq))
                     and self._grow(seq, 1, plan)
                 ):
                     plan.decode.append(seq)
@@ -131,7 +197,7 @@ class Scheduler:
         for seq in list(self.running):
             if budget <= 0:
                 break
-            if seq not in self.running or seq.num_pending <= 1 or _in_plan(plan, seq):
+            if seq not in self.running or seq.num_pending <= 1 or plan.has(seq):
                 continue
             try:
                 n = min(seq.num_pending, budget)
@@ -158,13 +224,11 @@ class Scheduler:
             else:
                 plan.prefill.append((seq, n))
             budget -= n
-        return plan
+        return plan.freeze()
 
-    def _drop(self, seq: Sequence, err: BaseException, plan: StepPlan) -> None:
+    def _drop(self, seq: Sequence, err: BaseException, plan: _Draft) -> None:
         """Take a sequence whose planning failed out of the plan and the queues."""
-        if seq in plan.decode:
-            plan.decode.remove(seq)
-        plan.prefill = [(s, n) for s, n in plan.prefill if s is not seq]
+        plan.discard(seq)
         self.remove(seq)
         plan.failed.append((seq, err))
 
@@ -198,7 +262,7 @@ class Scheduler:
         bisect.insort(self.running, seq, key=lambda s: s.arrival)
         return n
 
-    def _grow(self, seq: Sequence, n: int, plan: StepPlan) -> bool:
+    def _grow(self, seq: Sequence, n: int, plan: _Draft) -> bool:
         """Make ``seq``'s blocks cover ``n`` more tokens, preempting the youngest if needed.
 
         Returns False when ``seq`` itself had to be preempted.
@@ -215,16 +279,14 @@ class Scheduler:
                 return False
         return True
 
-    def preempt(self, seq: Sequence, plan: StepPlan | None = None) -> None:
+    def preempt(self, seq: Sequence, plan: _Draft | None = None) -> None:
         """Free ``seq``'s blocks and requeue it for recomputation."""
         self.running.remove(seq)
         self._release(seq)
         seq.num_preemptions += 1
         self.num_preemptions += 1
         if plan is not None:
-            if seq in plan.decode:
-                plan.decode.remove(seq)
-            plan.prefill = [(s, n) for s, n in plan.prefill if s is not seq]
+            plan.discard(seq)
         self.add(seq)
 
     def _release(self, seq: Sequence) -> None:
@@ -267,7 +329,3 @@ class Scheduler:
     def finish(self, seq: Sequence) -> None:
         """A sequence ended: free its blocks (full ones stay cached)."""
         self.remove(seq)
-
-
-def _in_plan(plan: StepPlan, seq: Sequence) -> bool:
-    return seq in plan.decode or any(s is seq for s, _ in plan.prefill)

@@ -79,8 +79,11 @@ class Sequence:
     num_preemptions: int = 0
     #: Lazy sampled tokens of launched steps, oldest first (at most two).
     inflight: deque[Any] = field(default_factory=deque)
-    #: Per-row random stream (mlx_cairn.engine.sampler.RowSampler), created lazily.
-    sampler: Any = None
+    #: Logits processors and their caches (mlx_cairn.engine.logits.RowProcessors),
+    #: created lazily for rows that use any.
+    processors: Any = None
+    #: Extra per-row processors (``mlx_cairn.engine.logits.RowMask``: the grammar seam).
+    row_masks: list[Any] = field(default_factory=list)
     #: Text side (mlx_cairn.engine.output.SequenceOutput), created lazily.
     pipeline: Any = None
     #: Reasoning budget tracker (mlx_cairn.engine.reasoning.ReasoningBudget), or None.

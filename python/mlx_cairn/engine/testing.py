@@ -15,6 +15,7 @@ from contextlib import contextmanager
 from typing import Any
 
 from mlx_cairn.engine.reference import generate_ids
+from mlx_cairn.engine.stats import EngineStats
 from mlx_cairn.types import SamplingParams
 
 
@@ -36,19 +37,19 @@ def reference_ids(
     )
 
 
-def wait_idle(engine: Any, timeout: float = 30.0) -> dict[str, Any]:
+def wait_idle(engine: Any, timeout: float = 30.0) -> EngineStats:
     """Wait until the engine has nothing queued or running; return its stats."""
     deadline = time.monotonic() + timeout
     while True:
         st = engine.stats()
-        if st["queue_depth"] == 0 and st["running"] == 0 and st["waiting"] == 0:
+        if st.queue_depth == 0 and st.running == 0 and st.waiting == 0:
             return st
         if time.monotonic() > deadline:
             raise TimeoutError(f"engine not idle after {timeout}s: {st}")
         time.sleep(0.01)
 
 
-def assert_at_rest(engine: Any, timeout: float = 30.0) -> dict[str, Any]:
+def assert_at_rest(engine: Any, timeout: float = 30.0) -> EngineStats:
     """Every block is free or cached and none is referenced (checked on the engine's pool)."""
     st = wait_idle(engine, timeout)
     pool = engine._pool
@@ -59,7 +60,7 @@ def assert_at_rest(engine: Any, timeout: float = 30.0) -> dict[str, Any]:
     held = [b for b in range(1, pool.num_blocks) if pool.refcount(b) != 0]
     assert not held, f"blocks still referenced at rest: {held[:20]}"
     assert pool.num_free_blocks == pool.num_blocks - 1, (pool.num_free_blocks, pool.num_blocks)
-    assert st["blocks_in_use"] == 0, st
+    assert st.blocks_in_use == 0, st
     return st
 
 

@@ -1,0 +1,45 @@
+"""Engine statistics: one typed snapshot, read by /health and /metrics.
+
+A field that is renamed or removed breaks its readers loudly (an attribute
+error, a type check) instead of silently reading as 0.
+
+Example::
+
+    st = engine.stats()
+    print(st.running, st.blocks_free, st.requests_completed)
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any
+
+
+@dataclass(frozen=True, slots=True)
+class EngineStats:
+    """A snapshot taken after the engine's last step (``queue_depth`` is live)."""
+
+    #: Submitted, not yet admitted (the ``max_queue`` cap counts these).
+    queue_depth: int = 0
+    #: Admitted sequences (holding blocks).
+    running: int = 0
+    #: Queued sequences, preempted ones included.
+    waiting: int = 0
+    #: Usable KV blocks (block 0 is reserved), and how they are split.
+    blocks_total: int = 0
+    blocks_free: int = 0
+    blocks_in_use: int = 0
+    #: Blocks registered in the prefix cache (free or in use).
+    blocks_cached: int = 0
+    block_size: int = 0
+    kv_cache_bytes: int = 0
+    prefix_hit_tokens: int = 0
+    preemptions: int = 0
+    generated_tokens: int = 0
+    requests_total: int = 0
+    requests_completed: int = 0
+    requests_failed: int = 0
+    requests_cancelled: int = 0
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
