@@ -49,11 +49,34 @@ def request(prompt: int, max_tokens: int) -> ChatRequest:
     )
 
 
+PHASES = ["schedule", "launch", "sample", "finalize", "update", "detokenize", "push"]
+
 op = st.one_of(
     st.tuples(st.just("submit"), st.integers(0, len(PROMPTS) - 1), st.integers(1, MAX_TOKENS)),
     st.tuples(st.just("cancel"), st.integers(0, 15), st.just(0)),
     st.tuples(st.just("sleep"), st.sampled_from([0, 1, 3]), st.just(0)),
 )
+#: (phase, request index, which call of that phase for that request fails)
+fault = st.tuples(st.sampled_from(PHASES), st.integers(0, 15), st.integers(0, 6))
+
+
+class Faults:
+    """A row fault hook: the n-th call of a phase for a given request raises, once."""
+
+    def __init__(self, plan: list[tuple[str, int, int]]) -> None:
+        self.plan = plan
+        self.ids: list[int] = []  # request id per submitted index
+        self.calls: dict[tuple[str, int], int] = {}
+        self.hit: set[int] = set()  # request ids that got a fault
+
+    def __call__(self, phase: str, seq) -> None:
+        key = (phase, seq.request_id)
+        n = self.calls.get(key, 0)
+        self.calls[key] = n + 1
+        for p, i, k in self.plan:
+            if p == phase and i < len(self.ids) and self.ids[i] == seq.request_id and k == n:
+                self.hit.add(seq.request_id)
+                raise RuntimeError(f"injected {phase} fault")
 config = st.fixed_dictionaries(
     {
         "num_blocks": st.integers(6, 40),
@@ -65,16 +88,27 @@ config = st.fixed_dictionaries(
 )
 
 
-@given(cfg=config, ops=st.lists(op, min_size=1, max_size=14))
-def test_random_schedules_never_leak_or_hang(lm, cfg, ops):
+@given(
+    cfg=config,
+    ops=st.lists(op, min_size=1, max_size=14),
+    faults=st.lists(fault, max_size=4),
+)
+def test_random_schedules_never_leak_or_hang(lm, cfg, ops, faults):
+    """Random arrivals, cancels and faults in any phase of any row: faulted rows end
+    with an internal error, every other row gets exactly the reference tokens."""
     engine = Engine(lm, **cfg)
+    hook = Faults(faults)
+    engine._row_fault_hook = hook
     try:
         streams = []  # (stream, prompt, max_tokens)
         cancelled: set[int] = set()
         for kind, a, b in ops:
             if kind == "submit":
                 with contextlib.suppress(QueueFull, ContextLengthExceeded):
-                    streams.append((engine.submit(request(a, b)), a, b))
+                    with engine._lock:  # its id is known before the engine sees it
+                        s = engine.submit(request(a, b))
+                        hook.ids.append(s.request_id)
+                    streams.append((s, a, b))
             elif kind == "cancel" and streams:
                 i = a % len(streams)
                 streams[i][0].cancel()
@@ -85,7 +119,8 @@ def test_random_schedules_never_leak_or_hang(lm, cfg, ops):
             events = list(s.iter_sync(timeout=HANG))
             last = events[-1]
             if isinstance(last, Error):
-                assert i in cancelled and last.kind == "cancelled", last
+                faulted = s.request_id in hook.hit and last.kind == "internal"
+                assert faulted or (i in cancelled and last.kind == "cancelled"), last
             else:
                 assert isinstance(last, Done)
                 assert s.output_ids == expected(lm, prompt, max_tokens)

@@ -101,9 +101,10 @@ class Engine:
             kv_dtype = mx.float32 if mx.default_device() == mx.cpu else model.dtype
         # Per-layer pools (DESIGN.md §4): mlx-lm models give their layers' KV
         # shapes and windows; a uniform model gives one shape for all layers.
-        layer_specs = getattr(model, "layer_specs", None) or [
-            LayerSpec(model.num_kv_heads, model.head_dim, model.head_dim)
-        ] * model.num_layers
+        layer_specs = (
+            getattr(model, "layer_specs", None)
+            or [LayerSpec(model.num_kv_heads, model.head_dim, model.head_dim)] * model.num_layers
+        )
         per_block = KVPools.block_bytes(layer_specs, block_size, kv_dtype.size)
         num_blocks = pool_blocks(
             per_block,
@@ -134,8 +135,9 @@ class Engine:
         #: an exception fails that step's requests only.
         self._fault_hook: Callable[[], None] | None = None
         #: Test hook for faults tied to one request: called with (phase, sequence)
-        #: at each phase ("schedule", "launch", "finalize", "update"); an
-        #: exception fails that request only and the rest of the step goes on.
+        #: at each phase ("schedule", "launch", "sample", "finalize" (read back),
+        #: "update", "detokenize", "push"); an exception fails that request only
+        #: and the rest of the step goes on.
         self._row_fault_hook: Callable[[str, Sequence], None] | None = None
 
         self._lock = threading.Condition()
@@ -337,10 +339,12 @@ class Engine:
         return lambda seq: hook(phase, seq)
 
     def _execute(self, plan: StepPlan) -> StepOutput:
-        check = self._row_check("launch")
-        if check is not None:
-            for seq in plan.sequences():
-                check(seq)
+        hook = self._row_fault_hook
+        if hook is not None:
+            for r in plan.rows:
+                hook("launch", r.seq)
+                if r.samples:
+                    hook("sample", r.seq)
         return self._runner.execute(plan)
 
     def _launch_isolated(self, plan: StepPlan) -> StepOutput | None:

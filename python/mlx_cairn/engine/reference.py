@@ -22,10 +22,12 @@ construction overlaps the forward pass::
 from __future__ import annotations
 
 import time
+from collections import Counter
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 
 import mlx.core as mx
+import numpy as np
 
 from mlx_cairn.engine.sampler import RowSampler, sample
 from mlx_cairn.models.base import Model
@@ -94,6 +96,9 @@ def generate_tokens(
         stats.finish_reason = "length"
         return
     cache = ContiguousKVCache(model.num_layers)
+    if row.params.uses_processors:
+        yield from _with_processors(model, cache, prompt_ids, max_tokens, row, eos, stats)
+        return
 
     def step(y: mx.array) -> mx.array:
         h = model(y[:, None], cache)
@@ -124,6 +129,51 @@ def generate_tokens(
         if done or nxt is None:
             return
         y = nxt
+
+
+def _with_processors(
+    model: Model,
+    cache: ContiguousKVCache,
+    prompt_ids: list[int],
+    max_tokens: int,
+    row: RowSampler,
+    eos: set[int],
+    stats: GenerationStats,
+) -> Iterator[int]:
+    """The unpipelined loop with the logits processors written out plainly (numpy, one row)."""
+    out: list[int] = []
+    logits = prefill(model, cache, prompt_ids)
+    while True:
+        raw = np.array(logits[0].astype(mx.float32))
+        processed = naive_process(raw, row.params, prompt_ids, out)
+        tok = int(sample(mx.array(processed)[None], [row]).item())  # type: ignore[arg-type]
+        out.append(tok)
+        stats.generated_tokens = len(out)
+        stats.token_ids.append(tok)
+        done = tok in eos or len(out) >= max_tokens
+        if done:
+            stats.finish_reason = "eos" if tok in eos else "length"
+        yield tok
+        if done:
+            return
+        h = model(mx.array([[tok]], dtype=mx.int32), cache)
+        logits = model.logits(h[:, -1, :])
+
+
+def naive_process(
+    logits: np.ndarray, params: SamplingParams, prompt: list[int], output: list[int]
+) -> np.ndarray:
+    """Penalties and bias on one row's logits, token by token (the yardstick for logits.py)."""
+    out = logits.astype(np.float32).copy()
+    rp = params.repetition_penalty
+    if rp != 1.0:
+        for t in set(prompt) | set(output):
+            out[t] = out[t] / rp if out[t] > 0 else out[t] * rp
+    for t, c in Counter(output).items():
+        out[t] -= params.frequency_penalty * c + params.presence_penalty
+    for t, b in params.logit_bias.items():
+        out[t] += b
+    return out
 
 
 def generate_ids(

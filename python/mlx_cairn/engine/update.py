@@ -172,7 +172,10 @@ class StateUpdate:
                 seq.inflight.clear()
                 seq.num_computed = min(seq.num_computed, len(seq.tokens) - 1)
             if seq.forced is not None and self.live(seq):
-                self._apply_forced(seq, now)  # or it would never be scheduled again
+                try:
+                    self._apply_forced(seq, now)  # or it would never be scheduled again
+                except Exception as e:
+                    self.fail(seq, "updated", e)
 
     def unstick(self) -> None:
         """Nothing could run and nothing is in flight: end what can never progress.
@@ -247,6 +250,8 @@ class StateUpdate:
         reason: StopReason | None = None
         matched: str | None = None
         try:
+            if self.row_hook is not None:
+                self.row_hook("detokenize", seq)
             if token in self.eos:
                 events = out.flush()
                 reason = "end_turn"
@@ -266,6 +271,8 @@ class StateUpdate:
             return False
         if reason == "end_turn" and out.saw_tool_call:
             reason = "tool_use"
+        if self.row_hook is not None:
+            self.row_hook("push", seq)
         if reason is None:
             seq.stream._push(events)
             if seq.budget is not None and (force := seq.budget.push(token)) is not None:
