@@ -142,3 +142,52 @@ def test_logprobs_are_the_raw_distribution(lm, engine, sampling):
 def test_events_without_logprobs_have_none(engine):
     _, events = run(engine, req("hello", 4))
     assert not any(isinstance(e, TokenLogprob) for e in events)
+
+
+class Successor:
+    """A row mask that needs the previous token on the host: only ``prev + 1`` may follow."""
+
+    needs_host_token = True
+
+    def __init__(self, first: int) -> None:
+        self.first = first
+        self.calls = 0
+
+    def mask(self, seq, vocab: int):
+        assert not seq.inflight, "a host-token row was planned with a placeholder"
+        self.calls += 1
+        out = seq.tokens[seq.num_prompt :]
+        want = out[-1] + 1 if out else self.first
+        return mx.where(mx.arange(vocab) == want, 0.0, -mx.inf).astype(mx.float32)
+
+
+def test_a_host_token_mask_skips_the_look_ahead_and_others_keep_it(lm, engine):
+    """The grammar seam: a mask row sees each token on the host; plain rows in the
+    same steps still get placeholders (planned before their last token is read)."""
+    placeholders: dict[int, int] = {}
+    real = engine._runner.execute
+
+    def execute(plan):
+        for r in plan.rows:
+            placeholders[r.seq.request_id] = placeholders.get(r.seq.request_id, 0) + r.placeholder
+        return real(plan)
+
+    engine._runner.execute = execute
+    try:
+        masked = engine.prepare(req("count with me", 8))
+        plain = engine.prepare(req("and me too", 8))
+        mask = Successor(first=40)
+        with engine._lock:
+            s_masked = engine.submit(masked)
+            engine._inbox[-1].row_masks.append(mask)
+            s_plain = engine.submit(plain)
+        for s in (s_masked, s_plain):
+            assert isinstance(list(s.iter_sync(TIMEOUT))[-1], Done)
+    finally:
+        engine._runner.execute = real
+    assert s_masked.output_ids == list(range(40, 48))
+    assert mask.calls == 8
+    assert placeholders[s_masked.request_id] == 0
+    assert placeholders[s_plain.request_id] > 0
+    assert s_plain.output_ids == reference_ids(lm, plain.prompt_ids, 8, plain.sampling)
+    assert_at_rest(engine)
