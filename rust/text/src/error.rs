@@ -12,6 +12,8 @@ pub enum TextError {
     ReasoningOff,
     /// The stop automaton could not be built (e.g. too many states).
     Build(String),
+    /// The tool schemas were not JSON of a shape [`crate::ToolSchemas`] reads.
+    ToolSchemas(String),
 }
 
 impl fmt::Display for TextError {
@@ -29,6 +31,7 @@ impl fmt::Display for TextError {
                 write!(f, "starts_in_reasoning=True needs reasoning=True")
             }
             TextError::Build(msg) => write!(f, "cannot build stop scanner: {msg}"),
+            TextError::ToolSchemas(msg) => write!(f, "cannot read tool schemas: {msg}"),
         }
     }
 }

@@ -4,7 +4,8 @@
 //! - [`StopScanner`]: many stop sequences at once, earliest completed match
 //!   wins, trailing partial matches held back.
 //! - [`OutputParser`]: splits model text into visible text, reasoning
-//!   (`<think>`) and tool calls for the families in [`Family`].
+//!   (`<think>` or the family's own channels) and tool calls for the
+//!   families in [`Family`].
 //! - [`TextPipeline`]: both, in the order the engine needs them.
 //!
 //! Every type gives the same result for any chunking of the same input.
@@ -25,9 +26,11 @@
 //! ```
 
 mod error;
+mod formats;
 mod json_scan;
 mod parser;
 mod pipeline;
+mod schema;
 mod stop;
 mod tags;
 mod toolcall;
@@ -37,5 +40,6 @@ pub mod reference;
 pub use error::TextError;
 pub use parser::{parse_output, OutputParser, Segment, ToolCall};
 pub use pipeline::TextPipeline;
+pub use schema::ToolSchemas;
 pub use stop::StopScanner;
 pub use tags::{Family, END_MARKERS};

@@ -14,7 +14,9 @@ mod body;
 
 use std::mem::take;
 
+use crate::formats::FormatParser;
 use crate::json_scan::JsonScan;
+use crate::schema::ToolSchemas;
 use crate::tags::{Lookup, Tag, TagSet};
 use crate::tags::{MISTRAL_CALLS, PYTHON_TAG, THINK_CLOSE, THINK_OPEN, TOOL_CLOSE, TOOL_OPEN};
 use crate::toolcall;
@@ -109,6 +111,8 @@ pub struct OutputParser {
     /// Llama: just after a call, where `;` separates calls.
     after_call: bool,
     out: Vec<Segment>,
+    /// The parser of a family in [`crate::formats`]; it then does all the work.
+    fmt: Option<Box<FormatParser>>,
 }
 
 impl OutputParser {
@@ -132,7 +136,8 @@ impl OutputParser {
             }
             Some(Family::Llama3) => text.push((PYTHON_TAG, Tag::PythonCall)),
             Some(Family::Mistral) => text.push((MISTRAL_CALLS, Tag::MistralCalls)),
-            None => {}
+            // `fmt` parses these; the tag sets below are unused.
+            Some(_) | None => {}
         }
         let mut p = OutputParser {
             family,
@@ -153,9 +158,21 @@ impl OutputParser {
             detect_bare: false,
             after_call: false,
             out: Vec::new(),
+            fmt: family
+                .and_then(|f| FormatParser::new(f, reasoning, starts_in_reasoning))
+                .map(Box::new),
         };
         p.reset();
         Ok(p)
+    }
+
+    /// Sets the request's tool schemas, which decide whether a raw-text
+    /// argument value (GLM-4.5, MiniMax M2) is a string or JSON; see
+    /// [`ToolSchemas`]. Other families' arguments carry their own types.
+    pub fn set_tool_schemas(&mut self, schemas: ToolSchemas) {
+        if let Some(f) = &mut self.fmt {
+            f.set_schemas(std::sync::Arc::new(schemas));
+        }
     }
 
     /// The tool-call family, if any.
@@ -175,6 +192,9 @@ impl OutputParser {
 
     /// Forgets all state: a fresh stream with the same settings.
     pub fn reset(&mut self) {
+        if let Some(f) = &mut self.fmt {
+            f.reset();
+        }
         let llama = self.family == Some(Family::Llama3);
         self.mode = if self.starts_in_reasoning {
             Mode::Reasoning
@@ -202,6 +222,11 @@ impl OutputParser {
 
     /// Like [`OutputParser::push`], appending to `out`.
     pub fn push_into(&mut self, text: &str, out: &mut Vec<Segment>) {
+        if let Some(f) = &mut self.fmt {
+            let mut segs = Vec::new();
+            f.push(text, &mut segs);
+            return Self::drain(&mut segs, out);
+        }
         if self.buf.is_empty() {
             self.process(text, false);
         } else {
@@ -222,6 +247,11 @@ impl OutputParser {
 
     /// Like [`OutputParser::flush`], appending to `out`.
     pub fn flush_into(&mut self, out: &mut Vec<Segment>) {
+        if let Some(f) = &mut self.fmt {
+            let mut segs = Vec::new();
+            f.flush(&mut segs);
+            return Self::drain(&mut segs, out);
+        }
         let held = take(&mut self.buf);
         self.process(&held, true);
         loop {

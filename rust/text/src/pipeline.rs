@@ -1,5 +1,5 @@
 //! Stop scan then output parsing, as the engine runs them once per token.
-use crate::{Family, OutputParser, Segment, StopScanner, TextError};
+use crate::{Family, OutputParser, Segment, StopScanner, TextError, ToolSchemas};
 
 /// [`StopScanner`] over the raw model text, then [`OutputParser`] over what
 /// the scanner released. After a stop matches, the parser is flushed and
@@ -28,6 +28,11 @@ impl TextPipeline {
             scratch: String::new(),
             done: false,
         })
+    }
+
+    /// Sets the request's tool schemas ([`OutputParser::set_tool_schemas`]).
+    pub fn set_tool_schemas(&mut self, schemas: ToolSchemas) {
+        self.parser.set_tool_schemas(schemas);
     }
 
     /// The stop scanner (for its stop list).

@@ -15,11 +15,54 @@ pub enum Family {
     Llama3,
     /// Mistral: `[TOOL_CALLS][{"name": .., "arguments": ..}]` or `[TOOL_CALLS]name[ARGS]{..}`.
     Mistral,
+    /// gpt-oss harmony: `<|channel|>analysis<|message|>..<|end|>` reasoning,
+    /// `<|channel|>commentary to=functions.NAME <|constrain|>json<|message|>{..}<|call|>`
+    /// calls, `<|channel|>final<|message|>..` answers.
+    Harmony,
+    /// GLM-4.5 / 4.7: `<tool_call>NAME<arg_key>K</arg_key><arg_value>V</arg_value>..</tool_call>`.
+    Glm45,
+    /// DeepSeek V3 / V3.1: `<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>..<｜tool▁call▁end｜><｜tool▁calls▁end｜>`.
+    DeepSeekV3,
+    /// Kimi K2: `<|tool_calls_section_begin|><|tool_call_begin|>functions.NAME:0<|tool_call_argument_begin|>{..}<|tool_call_end|>..`.
+    KimiK2,
+    /// Gemma 4: `<|channel>thought\n..<channel|>` reasoning, `<|tool_call>call:NAME{k:<|"|>v<|"|>}<tool_call|>`.
+    Gemma4,
+    /// MiniMax M2: `<minimax:tool_call><invoke name="NAME"><parameter name="K">V</parameter></invoke></minimax:tool_call>`.
+    MiniMaxM2,
+    /// Llama 3.2 / 4 pythonic: `[f(a=1, b="x"), g()]`, or inside `<|python_start|>..<|python_end|>`.
+    Pythonic,
 }
 
 impl Family {
     /// The accepted family names, as [`FromStr`] parses them.
-    pub const NAMES: [&'static str; 4] = ["hermes", "qwen3_coder", "llama3", "mistral"];
+    pub const NAMES: [&'static str; 11] = [
+        "hermes",
+        "qwen3_coder",
+        "llama3",
+        "mistral",
+        "harmony",
+        "glm45",
+        "deepseek_v3",
+        "kimi_k2",
+        "gemma4",
+        "minimax_m2",
+        "pythonic",
+    ];
+
+    /// Every family, in [`Family::NAMES`] order.
+    pub const ALL: [Family; 11] = [
+        Family::Hermes,
+        Family::Qwen3Coder,
+        Family::Llama3,
+        Family::Mistral,
+        Family::Harmony,
+        Family::Glm45,
+        Family::DeepSeekV3,
+        Family::KimiK2,
+        Family::Gemma4,
+        Family::MiniMaxM2,
+        Family::Pythonic,
+    ];
 
     /// The canonical name.
     pub fn name(self) -> &'static str {
@@ -28,6 +71,13 @@ impl Family {
             Family::Qwen3Coder => "qwen3_coder",
             Family::Llama3 => "llama3",
             Family::Mistral => "mistral",
+            Family::Harmony => "harmony",
+            Family::Glm45 => "glm45",
+            Family::DeepSeekV3 => "deepseek_v3",
+            Family::KimiK2 => "kimi_k2",
+            Family::Gemma4 => "gemma4",
+            Family::MiniMaxM2 => "minimax_m2",
+            Family::Pythonic => "pythonic",
         }
     }
 }
@@ -36,13 +86,10 @@ impl FromStr for Family {
     type Err = TextError;
 
     fn from_str(s: &str) -> Result<Self, TextError> {
-        match s {
-            "hermes" => Ok(Family::Hermes),
-            "qwen3_coder" => Ok(Family::Qwen3Coder),
-            "llama3" => Ok(Family::Llama3),
-            "mistral" => Ok(Family::Mistral),
-            _ => Err(TextError::UnknownFamily(s.to_owned())),
-        }
+        Family::ALL
+            .into_iter()
+            .find(|f| f.name() == s)
+            .ok_or_else(|| TextError::UnknownFamily(s.to_owned()))
     }
 }
 

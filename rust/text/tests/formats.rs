@@ -1,0 +1,636 @@
+//! The families of `cairn_text::formats`: harmony, GLM-4.5, DeepSeek V3 /
+//! V3.1, Kimi K2, Gemma 4, MiniMax M2 and pythonic calls. Must-hold cases
+//! under every chunk size, then random inputs: any chunking equals the
+//! one-shot parse, well-formed calls with arbitrary argument text round-trip,
+//! and no tag reaches visible text.
+mod common;
+
+use cairn_text::{parse_output, Family, OutputParser, Segment, ToolSchemas};
+use common::parse::{check, reasoning, stream, tc, text};
+use common::{random_chunks, random_text, Rng};
+use serde_json::json;
+
+const NEW: [Family; 7] = [
+    Family::Harmony,
+    Family::Glm45,
+    Family::DeepSeekV3,
+    Family::KimiK2,
+    Family::Gemma4,
+    Family::MiniMaxM2,
+    Family::Pythonic,
+];
+
+// ---- harmony --------------------------------------------------------------
+
+#[test]
+fn harmony_reasoning_call_and_answer() {
+    let h = Some(Family::Harmony);
+    let input = "<|channel|>analysis<|message|>Need weather.<|end|><|start|>assistant<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>{\"city\": \"Paris\"}<|call|>";
+    let want = [
+        reasoning("Need weather."),
+        tc("get_weather", r#"{"city":"Paris"}"#, r#"{"city": "Paris"}"#),
+    ];
+    for r in [false, true] {
+        check(input, h, r, false, &want);
+    }
+    let input = "<|channel|>analysis<|message|>Easy.<|end|><|start|>assistant<|channel|>final<|message|>It is 20°C.<|return|>";
+    check(
+        input,
+        h,
+        true,
+        false,
+        &[reasoning("Easy."), text("It is 20°C.")],
+    );
+    // The recipient in the role part, `json` without <|constrain|>, no <|call|>
+    // (the engine never hands over the end-of-generation token).
+    let input = " to=functions.now<|channel|>commentary json<|message|>{}";
+    check(input, h, true, false, &[tc("now", "{}", "{}")]);
+    // A commentary preamble without a recipient is visible text.
+    let input = "<|channel|>commentary<|message|>Checking.<|end|><|start|>assistant to=functions.f<|channel|>commentary<|message|>{\"a\": [1]}";
+    check(
+        input,
+        h,
+        true,
+        false,
+        &[text("Checking."), tc("f", r#"{"a":[1]}"#, r#"{"a": [1]}"#)],
+    );
+}
+
+#[test]
+fn harmony_prose_and_malformed() {
+    let h = Some(Family::Harmony);
+    // A model answering without harmony: its text is text.
+    check("Hello, world", h, true, false, &[text("Hello, world")]);
+    check("Hi there", h, true, false, &[text("Hi there")]);
+    // A call whose arguments are not a JSON object: the content as text.
+    let input = "<|channel|>commentary to=functions.f<|message|>not json<|call|>";
+    check(input, h, true, false, &[text("not json")]);
+    // A header cut by the end of the stream is structure: dropped.
+    check("<|channel|>analys", h, true, false, &[]);
+    // Lone `<` and markers.
+    check(
+        "<|channel|>final<|message|>a < b<|endoftext|>",
+        h,
+        true,
+        false,
+        &[text("a < b")],
+    );
+}
+
+// ---- GLM-4.5 --------------------------------------------------------------
+
+#[test]
+fn glm45_calls() {
+    let g = Some(Family::Glm45);
+    let body = "get_weather\n<arg_key>city</arg_key>\n<arg_value>Beijing</arg_value>\n<arg_key>days</arg_key>\n<arg_value>2</arg_value>\n";
+    let input = format!(
+        "<think>plan</think>\nSure.<tool_call>{body}</tool_call>\n<tool_call>now\n</tool_call>"
+    );
+    check(
+        &input,
+        g,
+        true,
+        false,
+        &[
+            reasoning("plan"),
+            text("Sure."),
+            tc("get_weather", r#"{"city":"Beijing","days":2}"#, body),
+            tc("now", "{}", "now\n"),
+        ],
+    );
+    // Schemas: a string parameter stays a string.
+    let input = "<tool_call>f<arg_key>zip</arg_key><arg_value>01234</arg_value><arg_key>n</arg_key><arg_value>5</arg_value></tool_call>";
+    let mut p = OutputParser::new(g, false, false).unwrap();
+    p.set_tool_schemas(
+        ToolSchemas::from_json(
+            r#"{"f": {"properties": {"zip": {"type": "string"}, "n": {"type": "integer"}}}}"#,
+        )
+        .unwrap(),
+    );
+    let mut segs = p.push(input);
+    segs.extend(p.flush());
+    assert!(
+        matches!(&segs[..], [Segment::ToolCall(c)] if c.arguments == r#"{"zip":"01234","n":5}"#),
+        "{segs:?}"
+    );
+    // Without schemas the same value is a number where JSON reads it as one.
+    let segs = parse_output(
+        "<tool_call>f<arg_key>n</arg_key><arg_value>5</arg_value></tool_call>",
+        g,
+        false,
+        false,
+    )
+    .unwrap();
+    assert!(matches!(&segs[..], [Segment::ToolCall(c)] if c.arguments == r#"{"n":5}"#));
+    // Tag text in a value; a malformed call comes back as text.
+    let v = "print('</tool_call>')";
+    let body = format!("w<arg_key>code</arg_key><arg_value>{v}</arg_value>");
+    check(
+        &format!("<tool_call>{body}</tool_call>"),
+        g,
+        false,
+        false,
+        &[tc("w", &json!({ "code": v }).to_string(), &body)],
+    );
+    let bad = "<tool_call>f<arg_key>a</arg_key></tool_call>";
+    check(bad, g, false, false, &[text(bad)]);
+}
+
+// ---- DeepSeek -------------------------------------------------------------
+
+#[test]
+fn deepseek_v3_and_v31() {
+    let d = Some(Family::DeepSeekV3);
+    let call = "<｜tool▁call▁begin｜>function<｜tool▁sep｜>get_weather\n```json\n{\"city\": \"Paris\"}\n```<｜tool▁call▁end｜>";
+    let input = format!(
+        "Let me check.<｜tool▁calls▁begin｜>{call}<｜tool▁calls▁end｜><｜end▁of▁sentence｜>"
+    );
+    check(
+        &input,
+        d,
+        false,
+        false,
+        &[
+            text("Let me check."),
+            tc("get_weather", r#"{"city":"Paris"}"#, call),
+        ],
+    );
+    let a = "<｜tool▁call▁begin｜>a<｜tool▁sep｜>{\"x\": 1}<｜tool▁call▁end｜>";
+    let b = "<｜tool▁call▁begin｜>b<｜tool▁sep｜>{}<｜tool▁call▁end｜>";
+    let input = format!("<think>hm</think><｜tool▁calls▁begin｜>{a}{b}<｜tool▁calls▁end｜>");
+    let raw = format!("{a}{b}");
+    check(
+        &input,
+        d,
+        true,
+        false,
+        &[
+            reasoning("hm"),
+            tc("a", r#"{"x":1}"#, &raw),
+            tc("b", "{}", ""),
+        ],
+    );
+    // Cut by the end of the stream inside the last call: still a call.
+    let input = "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>a<｜tool▁sep｜>{}";
+    check(
+        input,
+        d,
+        false,
+        false,
+        &[tc("a", "{}", "<｜tool▁call▁begin｜>a<｜tool▁sep｜>{}")],
+    );
+    // A partial begin tag at the end is released as text.
+    check("x<｜tool▁ca", d, false, false, &[text("x<｜tool▁ca")]);
+}
+
+// ---- Kimi K2 --------------------------------------------------------------
+
+#[test]
+fn kimi_k2_calls() {
+    let k = Some(Family::KimiK2);
+    let body = "<|tool_call_begin|>functions.get_weather:0<|tool_call_argument_begin|>{\"city\": \"Paris\"}<|tool_call_end|>";
+    let input = format!("<think>go</think>Checking.<|tool_calls_section_begin|>{body}<|tool_calls_section_end|><|im_end|>");
+    check(
+        &input,
+        k,
+        true,
+        false,
+        &[
+            reasoning("go"),
+            text("Checking."),
+            tc("get_weather", r#"{"city":"Paris"}"#, body),
+        ],
+    );
+    // A section opened inside reasoning ends it.
+    let input = format!("<think>go<|tool_calls_section_begin|>{body}<|tool_calls_section_end|>");
+    check(
+        &input,
+        k,
+        true,
+        false,
+        &[
+            reasoning("go"),
+            tc("get_weather", r#"{"city":"Paris"}"#, body),
+        ],
+    );
+}
+
+// ---- Gemma 4 --------------------------------------------------------------
+
+#[test]
+fn gemma4_reasoning_and_calls() {
+    let g = Some(Family::Gemma4);
+    let body = "call:get_weather{location:<|\"|>Paris, <tool_call|> FR<|\"|>,days:3}";
+    let input =
+        format!("<|channel>thought\nhmm<channel|>Sure.<|tool_call>{body}<tool_call|><turn|>");
+    let args = json!({"location": "Paris, <tool_call|> FR", "days": 3}).to_string();
+    for r in [false, true] {
+        check(
+            &input,
+            g,
+            r,
+            false,
+            &[
+                reasoning("hmm"),
+                text("Sure."),
+                tc("get_weather", &args, body),
+            ],
+        );
+    }
+    // The label only where it is the whole prefix.
+    check(
+        "<|channel>thoughtful<channel|>x",
+        g,
+        true,
+        false,
+        &[reasoning("thoughtful"), text("x")],
+    );
+    check("<|channel>though", g, true, false, &[reasoning("though")]);
+    let bad = "<|tool_call>get_weather(city=1)<tool_call|>";
+    check(bad, g, true, false, &[text(bad)]);
+}
+
+// ---- MiniMax M2 -----------------------------------------------------------
+
+#[test]
+fn minimax_m2_calls() {
+    let m = Some(Family::MiniMaxM2);
+    let body = "\n<invoke name=\"get_weather\">\n<parameter name=\"city\">Paris</parameter>\n<parameter name=\"days\">2</parameter>\n</invoke>\n<invoke name=\"now\">\n</invoke>\n";
+    let input =
+        format!("<think>\nok\n</think>\n\nOn it.<minimax:tool_call>{body}</minimax:tool_call>");
+    check(
+        &input,
+        m,
+        true,
+        false,
+        &[
+            reasoning("\nok\n"),
+            text("On it."),
+            tc("get_weather", r#"{"city":"Paris","days":2}"#, body),
+            tc("now", "{}", ""),
+        ],
+    );
+}
+
+// ---- pythonic -------------------------------------------------------------
+
+#[test]
+fn pythonic_calls() {
+    let p = Some(Family::Pythonic);
+    let body = r#"[get_weather(city="San Francisco", days=3), now()]"#;
+    check(
+        body,
+        p,
+        false,
+        false,
+        &[
+            tc("get_weather", r#"{"city":"San Francisco","days":3}"#, body),
+            tc("now", "{}", ""),
+        ],
+    );
+    // Brackets and tags inside strings; Llama 4's python tags; a list that is
+    // not calls is text, and so is what follows.
+    let body = "[w(code='a]) <|python_end|>')]";
+    check(
+        &format!("  {body}<|eot|>"),
+        p,
+        false,
+        false,
+        &[tc(
+            "w",
+            r#"{"code":"a]) "}"#,
+            &format!("  {}", body.replace("<|python_end|>", "")),
+        )],
+    );
+    check(
+        "<|python_start|>[f(a=1)]<|python_end|>done",
+        p,
+        false,
+        false,
+        &[tc("f", r#"{"a":1}"#, "[f(a=1)]"), text("done")],
+    );
+    check(
+        "[1, 2] are numbers [f()]",
+        p,
+        false,
+        false,
+        &[text("[1, 2] are numbers [f()]")],
+    );
+    check("Hi [f()]", p, false, false, &[text("Hi [f()]")]);
+    check(
+        "<think>x</think>\n[f()]",
+        p,
+        true,
+        false,
+        &[reasoning("x"), tc("f", "{}", "\n[f()]")],
+    );
+    check("[f(a=1", p, false, false, &[text("[f(a=1")]);
+}
+
+// ---- properties -----------------------------------------------------------
+
+/// Random cases per property test; `CAIRN_TEXT_CASES` raises it.
+fn iterations() -> usize {
+    std::env::var("CAIRN_TEXT_CASES")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(3000)
+}
+
+/// Fragments of every new family's syntax, and of text that looks like it.
+const ALPHABET: &[&str] = &[
+    "a",
+    " ",
+    "\n",
+    "<",
+    ">",
+    "|",
+    "{",
+    "}",
+    "[",
+    "]",
+    "(",
+    ")",
+    "=",
+    ",",
+    ":",
+    "\"",
+    "'",
+    "\\",
+    "é",
+    "🙂",
+    "｜",
+    "<think>",
+    "</think>",
+    "<|im_end|>",
+    "<|endoftext|>",
+    // harmony
+    "<|start|>",
+    "assistant",
+    "<|channel|>",
+    "analysis",
+    "final",
+    "commentary",
+    " to=functions.f",
+    "<|constrain|>",
+    "json",
+    "<|message|>",
+    "<|end|>",
+    "<|call|>",
+    "<|return|>",
+    "<|chan",
+    // glm
+    "<tool_call>",
+    "</tool_call>",
+    "f\n",
+    "<arg_key>",
+    "</arg_key>",
+    "<arg_value>",
+    "</arg_value>",
+    // deepseek
+    "<｜tool▁calls▁begin｜>",
+    "<｜tool▁calls▁end｜>",
+    "<｜tool▁call▁begin｜>",
+    "<｜tool▁call▁end｜>",
+    "<｜tool▁sep｜>",
+    "function",
+    "```json\n",
+    "```",
+    "<｜end▁of▁sentence｜>",
+    "<｜tool▁",
+    // kimi
+    "<|tool_calls_section_begin|>",
+    "<|tool_calls_section_end|>",
+    "<|tool_call_begin|>",
+    "functions.f:0",
+    "<|tool_call_argument_begin|>",
+    "<|tool_call_end|>",
+    // gemma
+    "<|channel>",
+    "thought\n",
+    "<channel|>",
+    "<|tool_call>",
+    "call:f{",
+    "<|\"|>",
+    "<tool_call|>",
+    "<turn|>",
+    // minimax
+    "<minimax:tool_call>",
+    "</minimax:tool_call>",
+    "<invoke name=\"f\">",
+    "</invoke>",
+    "<parameter name=\"p\">",
+    "</parameter>",
+    // pythonic
+    "[f(p=1)]",
+    "f(",
+    "p=",
+    "<|python_start|>",
+    "<|python_end|>",
+    "<|eot|>",
+    // whole calls
+    r#"{"p": 1}"#,
+];
+
+#[test]
+fn random_inputs_are_chunking_invariant() {
+    let mut rng = Rng(0x0f0f_1234_5678_9abc);
+    for _ in 0..iterations() {
+        let input = random_text(&mut rng, ALPHABET, 14);
+        let family = *rng.pick(&NEW);
+        let r = rng.below(2) == 1;
+        let sir = r && rng.below(3) == 0;
+        let chunks = random_chunks(&input, &mut rng);
+        let segs = stream(&input, &chunks, Some(family), r, sir);
+        for s in &segs {
+            match s {
+                Segment::Text(t) | Segment::Reasoning(t) => assert!(!t.is_empty()),
+                Segment::ToolCall(c) => {
+                    assert!(!c.name.is_empty());
+                    let v: serde_json::Value = serde_json::from_str(&c.arguments).unwrap();
+                    assert!(v.is_object());
+                }
+            }
+        }
+    }
+}
+
+/// Argument text for the round-trip test: tag text, quotes, escapes.
+const ARG_PIECES: &[&str] = &[
+    "a",
+    " ",
+    "\n",
+    "\t",
+    "é",
+    "🙂",
+    "<",
+    ">",
+    "\"",
+    "'",
+    "\\",
+    "{",
+    "}",
+    "[",
+    "]",
+    "(",
+    ")",
+    ",",
+    ":",
+    "=",
+    "</think>",
+    "<think>",
+    "</tool_call>",
+    "</arg_value>",
+    "<arg_key>",
+    "</parameter>",
+    "</invoke>",
+    "<tool_call|>",
+    "<|call|>",
+    "<|end|>",
+    "<|channel|>",
+    "<｜tool▁calls▁end｜>",
+    "<|tool_call_end|>",
+    "<|python_end|>",
+    "]",
+    "1",
+    "true",
+];
+
+/// A call to `f` with argument `p` = `s` in `family`'s syntax: the input and
+/// the segments it must parse to; `None` where `s` cannot be written.
+fn well_formed(family: Family, s: &str) -> Option<(String, Vec<Segment>)> {
+    let args = json!({ "p": s }).to_string();
+    let jargs = args.clone();
+    let t = |x: &str| Segment::Text(x.into());
+    // Special tokens cannot be argument text in the special-token formats,
+    // and end markers are dropped everywhere.
+    let has = |tags: &[&str]| tags.iter().any(|m| s.contains(m));
+    if has(cairn_text::END_MARKERS) {
+        return None;
+    }
+    Some(match family {
+        Family::Harmony => {
+            if has(&[
+                "<|call|>",
+                "<|end|>",
+                "<|channel|>",
+                "<|start|>",
+                "<|return|>",
+                "<|message|>",
+            ]) {
+                return None;
+            }
+            let input = format!("<|channel|>commentary to=functions.f <|constrain|>json<|message|>{jargs}<|call|><|start|>assistant<|channel|>final<|message|>bye");
+            (input, vec![tc("f", &args, &jargs), t("bye")])
+        }
+        Family::Glm45 => {
+            // A value holding `</arg_value>` then `<arg_key>` (or `</tool_call>`)
+            // is read as structure; schemas make `p` a string.
+            if s.contains("</arg_value>") {
+                return None;
+            }
+            let body = format!("f\n<arg_key>p</arg_key>\n<arg_value>{s}</arg_value>\n");
+            (
+                format!("Hi <tool_call>{body}</tool_call> bye"),
+                vec![t("Hi "), tc("f", &args, &body), t("bye")],
+            )
+        }
+        Family::DeepSeekV3 => {
+            if has(&["<｜tool▁calls▁end｜>", "<｜tool▁call▁end｜>"]) {
+                return None;
+            }
+            let call = format!("<｜tool▁call▁begin｜>f<｜tool▁sep｜>{jargs}<｜tool▁call▁end｜>");
+            let input = format!("Hi <｜tool▁calls▁begin｜>{call}<｜tool▁calls▁end｜> bye");
+            (input, vec![t("Hi "), tc("f", &args, &call), t("bye")])
+        }
+        Family::KimiK2 => {
+            if has(&["<|tool_calls_section_end|>", "<|tool_call_end|>"]) {
+                return None;
+            }
+            let call = format!("<|tool_call_begin|>functions.f:0<|tool_call_argument_begin|>{jargs}<|tool_call_end|>");
+            let input =
+                format!("Hi <|tool_calls_section_begin|>{call}<|tool_calls_section_end|> bye");
+            (input, vec![t("Hi "), tc("f", &args, &call), t("bye")])
+        }
+        Family::Gemma4 => {
+            if s.contains("<|\"|>") {
+                return None;
+            }
+            let body = format!("call:f{{p:<|\"|>{s}<|\"|>}}");
+            let input = format!("Hi <|tool_call>{body}<tool_call|> bye");
+            (input, vec![t("Hi "), tc("f", &args, &body), t("bye")])
+        }
+        Family::MiniMaxM2 => {
+            if s.contains("</parameter>") {
+                return None;
+            }
+            // One newline at each end of a value is layout.
+            let body = format!(
+                "\n<invoke name=\"f\">\n<parameter name=\"p\">\n{s}\n</parameter>\n</invoke>\n"
+            );
+            let input = format!("Hi <minimax:tool_call>{body}</minimax:tool_call> bye");
+            (input, vec![t("Hi "), tc("f", &args, &body), t("bye")])
+        }
+        Family::Pythonic => {
+            if s.contains('<') {
+                // Markers inside a bare list are dropped, so a `<` may not survive.
+                return None;
+            }
+            let body = format!("[f(p={})]", python_str(s));
+            (format!("{body} bye"), vec![tc("f", &args, &body), t("bye")])
+        }
+        _ => return None,
+    })
+}
+
+/// `s` as a Python string literal.
+fn python_str(s: &str) -> String {
+    let mut out = String::from("'");
+    for c in s.chars() {
+        match c {
+            '\\' => out.push_str("\\\\"),
+            '\'' => out.push_str("\\'"),
+            '\n' => out.push_str("\\n"),
+            c => out.push(c),
+        }
+    }
+    out.push('\'');
+    out
+}
+
+#[test]
+fn well_formed_calls_round_trip_under_any_chunking() {
+    let schemas = r#"{"f": {"properties": {"p": {"type": "string"}}}}"#;
+    let mut rng = Rng(0x5eed_cafe_f00d_0001);
+    let mut tried = 0;
+    while tried < iterations() {
+        let s = random_text(&mut rng, ARG_PIECES, 10);
+        let family = *rng.pick(&NEW);
+        let Some((input, want)) = well_formed(family, &s) else {
+            continue;
+        };
+        tried += 1;
+        let r = rng.below(2) == 1;
+        let chunks = random_chunks(&input, &mut rng);
+        let mut p = OutputParser::new(Some(family), r, false).unwrap();
+        p.set_tool_schemas(ToolSchemas::from_json(schemas).unwrap());
+        let mut segs = Vec::new();
+        for c in &chunks {
+            segs.extend(p.push(c));
+        }
+        segs.extend(p.flush());
+        assert_eq!(
+            OutputParser::coalesce(segs),
+            want,
+            "{family} input {input:?} chunks {chunks:?}"
+        );
+    }
+}
+
+#[test]
+fn family_names_round_trip() {
+    for f in Family::ALL {
+        assert_eq!(f.name().parse::<Family>().unwrap(), f);
+    }
+    assert_eq!(Family::ALL.len(), Family::NAMES.len());
+}
