@@ -12,34 +12,17 @@ from __future__ import annotations
 
 import dataclasses
 
-import mlx.core as mx
 import numpy as np
 import pytest
 
 from mlx_cairn.engine import Engine
 from mlx_cairn.engine.testing import closing_at_rest
-from mlx_cairn.models.testing import tiny_zoo_model
+from mlx_cairn.models.testing import mlx_lm_greedy, tiny_zoo_model
 from mlx_cairn.models.tiny_configs import TINY_CONFIGS
 from mlx_cairn.types import ChatRequest, Done, Message, SamplingParams
 
 TIMEOUT = 120.0
 MAX_TOKENS = 10
-
-
-def mlx_lm_greedy(inner, prompt: list[int], max_tokens: int, eos: set[int]) -> list[int]:
-    """mlx-lm's model and caches, one sequence, the whole prompt at once, argmax."""
-    from mlx_lm.models.cache import make_prompt_cache
-
-    cache = make_prompt_cache(inner)
-    logits = inner(mx.array([prompt], dtype=mx.int32), cache=cache)[:, -1, :]
-    out: list[int] = []
-    while len(out) < max_tokens:
-        tok = int(mx.argmax(logits, axis=-1).item())
-        out.append(tok)
-        if tok in eos:
-            break
-        logits = inner(mx.array([[tok]], dtype=mx.int32), cache=cache)[:, -1, :]
-    return out
 
 
 def prompts(seed: int) -> dict[str, list[int]]:

@@ -20,5 +20,6 @@ __all__ = [
 ]
 
 from mlx_cairn.models.loader import default_model_path, load
+from mlx_cairn.models.zoo import ZooModel
 
-__all__ += ["default_model_path", "load"]
+__all__ += ["ZooModel", "default_model_path", "load"]

@@ -15,10 +15,13 @@ import json
 from pathlib import Path
 
 import mlx.core as mx
+import mlx.nn as nn
+from mlx.utils import tree_flatten
 
 from mlx_cairn.models.cpu_layout import hf_parameters
 from mlx_cairn.models.llama import LlamaModel
 from mlx_cairn.models.loaded import LoadedModel
+from mlx_cairn.models.zoo import ZooModel, build_model
 
 
 def _unpermute(w: mx.array, n_heads: int) -> mx.array:
@@ -61,6 +64,9 @@ def save_folder(
     out = Path(path)
     out.mkdir(parents=True, exist_ok=True)
     model = lm.model
+    if isinstance(model, ZooModel):
+        _save_zoo(model, out, quantize=quantize, dtype=dtype, lm=lm)
+        return out
     weights = dense_hf_weights(model)
     if dtype is not None:
         weights = {k: v.astype(dtype) for k, v in weights.items()}
@@ -91,7 +97,46 @@ def save_folder(
         config["quantization"] = {"group_size": group_size, "bits": bits}
     mx.save_safetensors(str(out / "model.safetensors"), weights, metadata={"format": "mlx"})
     (out / "config.json").write_text(json.dumps(config, indent=2))
+    _save_tokenizer(lm, out)
+    return out
 
+
+def _save_zoo(
+    model: ZooModel,
+    out: Path,
+    *,
+    quantize: tuple[int, int] | None,
+    dtype: mx.Dtype | None,
+    lm: LoadedModel,
+) -> None:
+    """An mlx-lm model's folder, as ``mlx_lm.convert`` writes it (mlx-lm parameter names)."""
+    config = dict(model.config)
+    config["eos_token_id"] = sorted(lm.eos_token_ids)
+    flat: list[tuple[str, mx.array]] = tree_flatten(model.inner.parameters())  # type: ignore[assignment]
+    weights = dict(flat)
+    if dtype is not None:
+        weights = {k: v.astype(dtype) for k, v in weights.items()}
+    if quantize is not None:
+        group_size, bits = quantize
+        # Quantize a copy, as mlx-lm does: every module that can be and whose width fits.
+        copy = build_model(config, dict(weights))
+        nn.quantize(
+            copy,
+            group_size=group_size,
+            bits=bits,
+            class_predicate=lambda _, m: (
+                hasattr(m, "to_quantized") and m.weight.shape[-1] % group_size == 0
+            ),
+        )
+        flat = tree_flatten(copy.parameters())  # type: ignore[assignment]
+        weights = dict(flat)
+        config["quantization"] = {"group_size": group_size, "bits": bits, "mode": "affine"}
+    mx.save_safetensors(str(out / "model.safetensors"), weights, metadata={"format": "mlx"})
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+    _save_tokenizer(lm, out)
+
+
+def _save_tokenizer(lm: LoadedModel, out: Path) -> None:
     tok = lm.tokenizer
     tok.save(out / "tokenizer.json")
     tok_config = {
@@ -109,4 +154,3 @@ def save_folder(
     if tok.bos_token_id is not None:
         gen["bos_token_id"] = tok.bos_token_id
     (out / "generation_config.json").write_text(json.dumps(gen, indent=2))
-    return out

@@ -19,7 +19,8 @@ import mlx.core as mx
 from mlx_cairn.chat.builtin_templates import CHATML
 from mlx_cairn.chat.tokenizer import Tokenizer
 from mlx_cairn.errors import ModelLoadError
-from mlx_cairn.models.llama import LlamaModel, ModelArgs
+from mlx_cairn.models import zoo
+from mlx_cairn.models.llama import SUPPORTED_MODEL_TYPES, LlamaModel, ModelArgs
 from mlx_cairn.models.loaded import LoadedModel, assemble
 from mlx_cairn.models.weights import (
     QuantSpec,
@@ -85,6 +86,34 @@ def quant_spec(config: dict[str, Any]) -> QuantSpec | None:
     return spec
 
 
+#: model_types the hand-written Llama path serves (see bench/RESULTS.md, "llama.py vs mlx-lm").
+LLAMA_PATH_TYPES = SUPPORTED_MODEL_TYPES
+
+#: Context length when a config names none.
+DEFAULT_CONTEXT = 4096
+
+
+def context_length(config: dict[str, Any]) -> int:
+    """The model's context length from its config (text_config for multimodal wrappers)."""
+    for c in (config, config.get("text_config") or {}):
+        for key in ("max_position_embeddings", "max_sequence_length", "seq_length", "n_positions"):
+            v = c.get(key)
+            if isinstance(v, int) and v > 0:
+                return v
+    return DEFAULT_CONTEXT
+
+
+def _mlx_or_dense(config: dict[str, Any]) -> bool:
+    """Whether the weights are dense or MLX affine (what models/llama.py reads; the rest
+    of mlx-lm's quantization formats load through models/zoo.py)."""
+    q = config.get("quantization") or config.get("quantization_config")
+    return not q or (q.get("quant_method") in (None, "mlx") and q.get("mode", "affine") == "affine")
+
+
+def _quantized_config(config: dict[str, Any]) -> bool:
+    return bool(config.get("quantization") or config.get("quantization_config"))
+
+
 def _chat_template(folder: Path, tok_config: dict[str, Any]) -> str | None:
     jinja = folder / "chat_template.jinja"
     if jinja.is_file():
@@ -106,17 +135,7 @@ def _template_writes_bos(tok: Tokenizer) -> bool:
     return bool(with_special) and with_special[0] == tok.bos_token_id
 
 
-def load_hf_folder(
-    folder: Path, *, dtype: str = "auto", keep_quantized: bool | None = None
-) -> LoadedModel:
-    """Load ``folder``; a missing or malformed file is a :class:`ModelLoadError`."""
-    config_path = folder / "config.json"
-    if not config_path.is_file():
-        raise ModelLoadError(f"{folder} has no config.json")
-    config = _read_json(config_path)
-    args = ModelArgs.from_config(config)
-    spec = quant_spec(config)
-
+def _safetensors_files(folder: Path) -> list[Path]:
     index = folder / "model.safetensors.index.json"
     if index.is_file():
         shard_names = sorted(set(_read_json(index).get("weight_map", {}).values()))
@@ -125,6 +144,15 @@ def load_hf_folder(
         files = sorted(folder.glob("*.safetensors"))
     if not files:
         raise ModelLoadError(f"{folder} has no *.safetensors weights")
+    return files
+
+
+def _load_llama(
+    folder: Path, config: dict[str, Any], files: list[Path], dtype: str, keep_quantized: bool | None
+) -> tuple[LlamaModel, str]:
+    """The hand-written Llama-family path (models/llama.py)."""
+    args = ModelArgs.from_config(config)
+    spec = quant_spec(config)
     weights: dict[str, mx.array] = {}
     for f in files:
         try:
@@ -146,6 +174,43 @@ def load_hf_folder(
     weights = cast_floats(weights, compute)
     model = LlamaModel(args)
     install_weights(model, weights, spec)
+    return model, tag
+
+
+def _load_zoo(
+    folder: Path, dtype: str, keep_quantized: bool | None
+) -> tuple[zoo.ZooModel, dict[str, Any], str]:
+    """Any attention architecture mlx-lm implements (models/zoo.py)."""
+    model, config = zoo.load_folder(folder)
+    compute, dequant = resolve_dtype(dtype, zoo.checkpoint_dtype(model))
+    if keep_quantized is not None:
+        dequant = not keep_quantized
+    quantized = zoo.is_quantized(model)
+    tag = dtype_name(compute) + ("+q" if quantized and not dequant else "")
+    return zoo.finish(model, config, compute=compute, dequant=dequant), config, tag
+
+
+def load_hf_folder(
+    folder: Path, *, dtype: str = "auto", keep_quantized: bool | None = None
+) -> LoadedModel:
+    """Load ``folder``; a missing or malformed file is a :class:`ModelLoadError`.
+
+    Llama-family folders (:data:`~mlx_cairn.models.llama.SUPPORTED_MODEL_TYPES`)
+    run the hand-written models/llama.py; every other attention architecture
+    runs mlx-lm's own class (models/zoo.py); anything else is refused by name.
+    """
+    config_path = folder / "config.json"
+    if not config_path.is_file():
+        raise ModelLoadError(f"{folder} has no config.json")
+    config = _read_json(config_path)
+    files = _safetensors_files(folder)
+    model: Any
+    if config.get("model_type") in LLAMA_PATH_TYPES and _mlx_or_dense(config):
+        model, tag = _load_llama(folder, config, files, dtype, keep_quantized)
+        context = int(model.args.max_position_embeddings)
+    else:
+        model, config, tag = _load_zoo(folder, dtype, keep_quantized)
+        context = context_length(config)
 
     tok_file = folder / "tokenizer.json"
     if not tok_file.is_file():
@@ -183,8 +248,8 @@ def load_hf_folder(
         tokenizer=tokenizer,
         template_source=template or CHATML,
         eos_token_ids=eos,
-        context_length=int(args.max_position_embeddings),
+        context_length=context,
         identity=f"{folder.name}@{weights_identity(files_for_id, tag)}:{tag}",
         path=str(folder),
-        source_format="mlx-quantized" if quant_spec(config) else "hf",
+        source_format="mlx-quantized" if "+q" in tag or _quantized_config(config) else "hf",
     )

@@ -13,6 +13,7 @@ from mlx_cairn.types import ChatRequest
 
 if TYPE_CHECKING:
     from mlx_cairn.models.llama import LlamaModel
+    from mlx_cairn.models.zoo import ZooModel
 
 
 @dataclass
@@ -27,7 +28,8 @@ class LoadedModel:
     """
 
     name: str
-    model: LlamaModel
+    #: mlx-lm's architecture over our caches (models/zoo.py), or the hand-written Llama.
+    model: ZooModel | LlamaModel
     tokenizer: Tokenizer
     template: ChatTemplate
     #: Every id that ends generation (generation_config, tokenizer config, GGUF).
@@ -52,7 +54,7 @@ class LoadedModel:
 def assemble(
     *,
     name: str,
-    model: LlamaModel,
+    model: ZooModel | LlamaModel,
     tokenizer: Tokenizer,
     template_source: str,
     eos_token_ids: set[int],

@@ -158,7 +158,7 @@ def tiny_zoo_model(model_type: str, seed: int = 0) -> LoadedModel:
     }
     return assemble(
         name=f"tiny-{model_type}",
-        model=model,  # type: ignore[arg-type]
+        model=model,
         tokenizer=tok,
         template_source=QWEN3,
         eos_token_ids=eos,
@@ -166,3 +166,20 @@ def tiny_zoo_model(model_type: str, seed: int = 0) -> LoadedModel:
         identity=f"tiny-{model_type}-seed{seed}:float32",
         source_format="memory",
     )
+
+
+def mlx_lm_greedy(inner: Any, prompt: list[int], max_tokens: int, eos: set[int]) -> list[int]:
+    """mlx-lm's own single-sequence greedy generation: its model, its caches, the whole
+    prompt at once, argmax (the reference the engine is compared with; EOS kept)."""
+    from mlx_lm.models.cache import make_prompt_cache
+
+    cache = make_prompt_cache(inner)
+    logits = inner(mx.array([prompt], dtype=mx.int32), cache=cache)[:, -1, :]
+    out: list[int] = []
+    while len(out) < max_tokens:
+        tok = int(mx.argmax(logits, axis=-1).item())
+        out.append(tok)
+        if tok in eos:
+            break
+        logits = inner(mx.array([[tok]], dtype=mx.int32), cache=cache)[:, -1, :]
+    return out

@@ -419,6 +419,37 @@ def finish(
     return ZooModel(model, config)
 
 
+def from_weights(
+    config: dict[str, Any],
+    weights: dict[str, mx.array],
+    *,
+    compute: mx.Dtype,
+    dequant: bool,
+) -> ZooModel:
+    """A ZooModel from an HF-style config dict and HF-named weights (the GGUF path).
+
+    Weights may be MLX-quantized (``config["quantization"]``); ``dequant``
+    turns them dense in ``compute`` (the CPU default).
+    """
+    return finish(build_model(config, weights), config, compute=compute, dequant=dequant)
+
+
+def checkpoint_dtype(model: nn.Module) -> mx.Dtype | None:
+    """The floating dtype the checkpoint stores its (non-quantization) weights in."""
+    flat: list[tuple[str, mx.array]] = tree_flatten(model.parameters())  # type: ignore[assignment]
+    for k, v in flat:
+        if k.endswith("norm.weight") and mx.issubdtype(v.dtype, mx.floating):
+            return v.dtype
+    for k, v in flat:
+        if mx.issubdtype(v.dtype, mx.floating) and not k.endswith((".scales", ".biases")):
+            return v.dtype
+    return None
+
+
+def is_quantized(model: nn.Module) -> bool:
+    return any(hasattr(m, "scales") and hasattr(m, "bits") for _, m in model.named_modules())
+
+
 def supported(config: dict[str, Any]) -> bool:
     """Whether mlx-lm has a module for ``config``'s model_type (its cache kinds are checked at load)."""
     try:

@@ -1,0 +1,176 @@
+"""Loading mlx-lm architectures from folders (dense and MLX-quantized), and refusals by name."""
+
+from __future__ import annotations
+
+import json
+
+import mlx.core as mx
+import mlx.nn as nn
+import pytest
+
+from mlx_cairn.engine import Engine
+from mlx_cairn.engine.testing import closing_at_rest
+from mlx_cairn.errors import ModelLoadError
+from mlx_cairn.models import load
+from mlx_cairn.models.export import save_folder
+from mlx_cairn.models.testing import mlx_lm_greedy, tiny_zoo_model
+from mlx_cairn.models.zoo import ZooModel, build_model
+from mlx_cairn.types import ChatRequest, Done, Message, SamplingParams
+
+
+def greedy_req(text: str, n: int = 8) -> ChatRequest:
+    return ChatRequest(
+        messages=[Message("user", text)], max_tokens=n, sampling=SamplingParams(temperature=0.0)
+    )
+
+
+def engine_tokens(lm, texts: list[str], n: int = 8) -> dict[str, list[int]]:
+    out = {}
+    with closing_at_rest(Engine(lm, num_blocks=128, block_size=4)) as engine:
+        streams = {t: engine.submit(greedy_req(t, n)) for t in texts}
+        for t, s in streams.items():
+            assert isinstance(list(s.iter_sync(timeout=120))[-1], Done)
+            out[t] = s.output_ids
+        ids = {t: engine.prepare(greedy_req(t, n)).prompt_ids for t in texts}
+    return out, ids
+
+
+TEXTS = ["Hi", "What is the capital of France? " * 3]
+
+
+@pytest.mark.parametrize("model_type", ["gemma3_text", "qwen3_moe", "deepseek_v3", "gpt_oss"])
+def test_dense_folder_loads_through_mlx_lm_and_matches_it(tmp_path, model_type):
+    from mlx_lm.utils import load_model
+
+    folder = save_folder(tiny_zoo_model(model_type, seed=2), tmp_path / model_type)
+    lm = load(str(folder))
+    assert isinstance(lm.model, ZooModel)
+    assert lm.model.model_type == model_type and lm.source_format == "hf"
+    assert lm.identity.endswith(":float32")
+    ref, _ = load_model(folder)  # mlx-lm's own loader on the same folder
+    got, ids = engine_tokens(lm, TEXTS)
+    for t in TEXTS:
+        assert got[t] == mlx_lm_greedy(ref, ids[t], 8, lm.eos_token_ids)
+
+
+def test_quantized_folder_dequantizes_on_cpu_or_stays_quantized(tmp_path):
+    from mlx_lm.utils import load_model
+
+    folder = save_folder(tiny_zoo_model("qwen3_moe", seed=3), tmp_path / "q", quantize=(32, 4))
+    config = json.loads((folder / "config.json").read_text())
+    assert config["quantization"]["bits"] == 4
+
+    dense = load(str(folder))
+    assert dense.source_format == "mlx-quantized"
+    kinds = {type(m).__name__ for _, m in dense.model.named_modules()}
+    assert not any(k.startswith("Quantized") for k in kinds), kinds
+    assert dense.model.dtype == mx.float32
+
+    kept = load(str(folder), keep_quantized=True)
+    kinds = {type(m).__name__ for _, m in kept.model.named_modules()}
+    assert "QuantizedSwitchLinear" in kinds and "QuantizedLinear" in kinds
+    assert kept.identity.endswith("+q")
+
+    # Kept quantized, the engine computes what mlx-lm computes on its own load of the folder.
+    ref, _ = load_model(folder)
+    got, ids = engine_tokens(kept, TEXTS)
+    for t in TEXTS:
+        assert got[t] == mlx_lm_greedy(ref, ids[t], 8, kept.eos_token_ids)
+    # Dequantized, the logits are the quantized model's up to rounding.
+    prompt = mx.array([ids[TEXTS[1]]], dtype=mx.int32)
+    a = ref(prompt)[:, -1, :]
+    b = dense.model.inner(prompt)[:, -1, :]
+    assert mx.allclose(a, b, atol=1e-3, rtol=1e-3).item()
+
+
+def test_per_layer_quantization_override_is_read(tmp_path):
+    folder = save_folder(tiny_zoo_model("olmo2", seed=4), tmp_path / "q", quantize=(32, 4))
+    config = json.loads((folder / "config.json").read_text())
+    # Re-quantize one layer at 8 bits, the way mlx-lm's mixed recipes record it.
+    from mlx.utils import tree_flatten
+
+    weights = mx.load(str(folder / "model.safetensors"))
+    base = "model.layers.0.self_attn.q_proj"
+    w = mx.dequantize(
+        weights[f"{base}.weight"],
+        weights[f"{base}.scales"],
+        weights[f"{base}.biases"],
+        group_size=32,
+        bits=4,
+    )
+    q, s, b = mx.quantize(w, group_size=64, bits=8)
+    weights.update({f"{base}.weight": q, f"{base}.scales": s, f"{base}.biases": b})
+    mx.save_safetensors(str(folder / "model.safetensors"), weights)
+    config["quantization"][base] = {"group_size": 64, "bits": 8}
+    (folder / "config.json").write_text(json.dumps(config))
+    kept = load(str(folder), keep_quantized=True)
+    layer = dict(kept.model.named_modules())[base]
+    assert (layer.bits, layer.group_size) == (8, 64)
+    dense = load(str(folder))
+    flat = dict(tree_flatten(dense.model.parameters()))
+    assert mx.allclose(flat[f"{base}.weight"], w, atol=0.05).item()
+
+
+def test_unknown_model_type_is_refused_by_name(tmp_path):
+    folder = save_folder(tiny_zoo_model("qwen3_moe", seed=0), tmp_path / "m")
+    config = json.loads((folder / "config.json").read_text())
+    config["model_type"] = "frobnicator_v9"
+    (folder / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ModelLoadError, match=r"'frobnicator_v9'.*Supported: .*attention"):
+        load(str(folder))
+
+
+def test_recurrent_model_type_is_refused_naming_the_cache_kind():
+    config = {
+        "model_type": "mamba",
+        "vocab_size": 64,
+        "hidden_size": 32,
+        "intermediate_size": 64,
+        "state_size": 8,
+        "num_hidden_layers": 2,
+        "conv_kernel": 4,
+        "use_bias": False,
+        "use_conv_bias": True,
+        "time_step_rank": 4,
+        "tie_word_embeddings": True,
+    }
+    with pytest.raises(ModelLoadError, match=r"'mamba'.*ArraysCache.*Supported"):
+        ZooModel(build_model(config, None), config)
+
+
+def test_logits_only_where_asked_equal_mlx_lm_full_logits():
+    # The head runs on selected positions only, through mlx-lm's own Model.__call__.
+    for model_type in ("granite", "gemma3_text", "qwen2"):
+        lm = tiny_zoo_model(model_type, seed=5)
+        zm = lm.model
+        assert not zm.computes_logits_in_call
+        x = mx.array([[5, 6, 7, 8, 9]], dtype=mx.int32)
+        full = zm.inner(x)
+        from mlx_cairn.models.cache import ContiguousKVCache
+
+        h = zm(x, ContiguousKVCache(zm.num_layers))
+        assert mx.allclose(zm.logits(h[:, 2, :]), full[:, 2, :], atol=1e-5).item(), model_type
+
+
+def test_an_architecture_whose_call_is_not_head_of_backbone_runs_whole():
+    class Odd(nn.Module):
+        def __init__(self, inner: nn.Module) -> None:
+            super().__init__()
+            self.body = inner
+
+        @property
+        def layers(self):
+            return self.body.layers
+
+        def __call__(self, inputs, cache=None):
+            return self.body(inputs, cache=cache) * 2.0
+
+    lm = tiny_zoo_model("qwen3", seed=6)
+    odd = Odd(lm.model.inner)
+    zm = ZooModel(odd, lm.model.config)
+    assert zm.computes_logits_in_call
+    from mlx_cairn.models.cache import ContiguousKVCache
+
+    x = mx.array([[5, 6, 7]], dtype=mx.int32)
+    out = zm.logits(zm(x, ContiguousKVCache(zm.num_layers))[:, -1, :])
+    assert mx.allclose(out, 2.0 * lm.model.inner(x)[:, -1, :], atol=1e-5).item()
