@@ -18,7 +18,12 @@ Life of a model (one writer: this registry, under its lock)::
                                    \\--fails--> failed (error kept; the next request retries)
 
 - One load at a time, in its own thread; every request that names a model
-  while it loads awaits that one load (a failure answers all of them).
+  while it loads awaits that one load (a failure answers all of them). A
+  waiter that gives up (cancelled, client gone) leaves the load running for
+  the others.
+- Requests that waited for a load are answered in the order they arrived:
+  each takes a turn (:meth:`ModelLease.turn`) and submits only after every
+  earlier one submitted or gave up; tokenizing still runs in parallel.
 - A request holds a :class:`ModelLease` from :meth:`ModelRegistry.get` until
   its stream ends (or, for ``prepare`` / ``count_tokens`` only, until that
   call returns). A model with a lease, or with requests waiting for it, is
@@ -172,6 +177,7 @@ class ServedModel:
     memory_bytes: int = 0
     download: Progress | None = None
     _loading: concurrent.futures.Future[None] | None = field(default=None, repr=False)
+    _turns: _Turns = field(default_factory=lambda: _Turns(), repr=False)
 
     @property
     def name(self) -> str:
@@ -208,25 +214,106 @@ class ModelLease:
     lease back when it ends (last event read, or cancelled); ``prepare`` that
     raises and ``count_tokens`` give it back at once. A lease dropped unused
     gives it back when garbage collected.
+
+    A lease that waited for its model's load carries a turn: ``await
+    lease.turn()`` before ``engine.submit`` keeps arrival order among those
+    waiters (submitting or releasing gives the turn to the next one).
     """
 
-    def __init__(self, sm: ServedModel, engine: Any, release: Callable[[], None]) -> None:
+    def __init__(
+        self,
+        sm: ServedModel,
+        engine: Any,
+        release: Callable[[], None],
+        ticket: int | None = None,
+    ) -> None:
         self.served = sm
         self.names = sm.names
         self.source = sm.source
         self.loaded = sm.loaded
         self.created = sm.created
-        self._release = _Once(release)
-        self.engine = _LeasedEngine(engine, self._release)
+        self.ticket = ticket
+        turns = sm._turns
+        self._pass_turn = _Once(lambda: turns.done(ticket) if ticket is not None else None)
+        pass_turn = self._pass_turn
+
+        def release_all() -> None:
+            pass_turn()
+            release()
+
+        self._release = _Once(release_all)
+        self.engine = _LeasedEngine(engine, self._release, self._pass_turn)
         weakref.finalize(self, self._release)
 
     @property
     def name(self) -> str:
         return self.served.name
 
+    async def turn(self) -> None:
+        """Wait until every request that waited for this load before this one has
+        submitted or given up (at once for a lease that did not wait)."""
+        if self.ticket is not None:
+            await self.served._turns.wait(self.ticket)
+
     def release(self) -> None:
         """Give the lease back now (idempotent)."""
         self._release()
+
+
+class _Turns:
+    """Arrival order of the requests waiting for one model's load (one per model).
+
+    Tickets are taken in arrival order; ticket ``t`` may submit once every
+    ticket before it is done (submitted, released, or its wait failed)::
+
+        taken:  0 1 2 3 4          front = 2 (0 and 1 done)
+        done:   x x . x .          3 is done too, but 2 still holds the turn
+
+    Thread-safe; waiters are asyncio futures woken on their own loop.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._taken = 0
+        self._front = 0  # the lowest ticket not done
+        self._done: set[int] = set()
+        self._waiters: list[tuple[int, asyncio.AbstractEventLoop, asyncio.Future[None]]] = []
+
+    def take(self) -> int:
+        with self._lock:
+            self._taken += 1
+            return self._taken - 1
+
+    def outstanding(self) -> bool:
+        """Tickets taken and not yet done (a newcomer then queues behind them)."""
+        with self._lock:
+            return self._front < self._taken
+
+    def done(self, ticket: int) -> None:
+        with self._lock:
+            self._done.add(ticket)
+            while self._front in self._done:
+                self._done.discard(self._front)
+                self._front += 1
+            ready = [w for w in self._waiters if w[0] <= self._front]
+            self._waiters = [w for w in self._waiters if w[0] > self._front]
+        for _, loop, fut in ready:
+            with contextlib.suppress(RuntimeError):  # that loop is closed: nobody waits
+                loop.call_soon_threadsafe(_resolve, fut)
+
+    async def wait(self, ticket: int) -> None:
+        loop = asyncio.get_running_loop()
+        with self._lock:
+            if ticket <= self._front:
+                return
+            fut: asyncio.Future[None] = loop.create_future()
+            self._waiters.append((ticket, loop, fut))
+        await fut
+
+
+def _resolve(fut: asyncio.Future[None]) -> None:
+    if not fut.done():
+        fut.set_result(None)
 
 
 class _Once:
@@ -242,9 +329,10 @@ class _Once:
 
 
 class _LeasedEngine:
-    def __init__(self, engine: Any, release: _Once) -> None:
+    def __init__(self, engine: Any, release: _Once, pass_turn: _Once) -> None:
         self._engine = engine
         self._release = release
+        self._pass_turn = pass_turn
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._engine, name)
@@ -268,6 +356,8 @@ class _LeasedEngine:
         except BaseException:
             self._release()
             raise
+        finally:
+            self._pass_turn()  # queued in the engine (or refused): the next waiter may submit
         return _LeasedStream(stream, self._release)
 
 
@@ -354,10 +444,10 @@ class ModelRegistry:
             if self.default is None:
                 raise ValueError(f"--default-model {default_model!r} is not a served model")
         for pin in pins:
-            target = self._by_name.get(pin) or self.aliases.get(pin)
-            if target is None:
+            pinned = self._by_name.get(pin) or self.aliases.get(pin)
+            if pinned is None:
                 raise ValueError(f"--pin {pin!r} is not a served model")
-            target.pinned = True
+            pinned.pinned = True
         self.max_loaded = max_loaded
         self.memory_budget = None if memory_budget_gb is None else memory_budget_gb * 2**30
         self.idle_unload = idle_unload
@@ -414,20 +504,39 @@ class ModelRegistry:
 
     async def get(self, name: str) -> ModelLease:
         """Resolve ``name``, load the model if needed (awaiting a load already under way),
-        and return a lease on it. Raises ModelLoadError / ModelUnavailable for every waiter."""
+        and return a lease on it. Raises ModelLoadError / ModelUnavailable for every waiter.
+
+        A request that has to wait, or that arrives while earlier waiters have
+        not submitted yet, gets a turn (see :meth:`ModelLease.turn`).
+        """
         sm = self.resolve(name)
-        while True:
-            lease = self._try_lease(sm)
-            if lease is not None:
-                return lease
-            with self._cond:
-                sm.waiting += 1
-            try:
-                await asyncio.wrap_future(self._start_load(sm))
-            finally:
+        ticket: int | None = None
+        try:
+            while True:
                 with self._cond:
-                    sm.waiting -= 1
-                    self._cond.notify_all()
+                    if ticket is None and (sm.state != "loaded" or sm._turns.outstanding()):
+                        ticket = sm._turns.take()
+                lease = self._try_lease(sm, ticket)
+                if lease is not None:
+                    return lease
+                with self._cond:
+                    sm.waiting += 1
+                try:
+                    await asyncio.wrap_future(self._start_load(sm))
+                finally:
+                    with self._cond:
+                        sm.waiting -= 1
+                        self._cond.notify_all()
+        except BaseException:
+            if ticket is not None:
+                sm._turns.done(ticket)  # a failed or abandoned wait gives its turn up
+            raise
+
+    def loading(self, name: str) -> bool:
+        """Whether ``name``'s model is being loaded right now (room found, weights being
+        read or downloaded): a wait for it ends in the model or a load failure, not in
+        "no room". False while a load waits for room, and for a loaded model."""
+        return self.resolve(name).state == "loading"
 
     def lease(self, name: str, timeout: float | None = None) -> ModelLease:
         """:meth:`get` for synchronous callers (tools, tests)."""
@@ -445,7 +554,7 @@ class ModelRegistry:
                     sm.waiting -= 1
                     self._cond.notify_all()
 
-    def _try_lease(self, sm: ServedModel) -> ModelLease | None:
+    def _try_lease(self, sm: ServedModel, ticket: int | None = None) -> ModelLease | None:
         with self._cond:
             if sm.state != "loaded" or sm.engine is None:
                 return None
@@ -459,7 +568,7 @@ class ModelRegistry:
                 sm.last_used = time.time()
                 self._cond.notify_all()
 
-        return ModelLease(sm, engine, release)
+        return ModelLease(sm, engine, release, ticket)
 
     # ----------------------------------------------------------- loading
 
@@ -484,6 +593,9 @@ class ModelRegistry:
                 return done
             if sm._loading is None:
                 sm._loading = concurrent.futures.Future()
+                # Running from the start: a waiter that gives up (its asyncio wrapper is
+                # cancelled) must not cancel the load that the other waiters share.
+                sm._loading.set_running_or_notify_cancel()
                 threading.Thread(
                     target=self._load, args=(sm, sm._loading), name="cairn-load", daemon=True
                 ).start()

@@ -17,6 +17,25 @@ This is the dialect-neutral half of every generation route::
 - sets ``X-Session-Cache`` (``fresh`` | ``prefix_hit`` on JSON, ``streaming``
   on SSE) and ``X-Cached-Tokens``.
 
+A streamed request whose model is still loading: the wait for the model is
+the one step that may move inside the stream. Everything that validates the
+body runs first, so a 400 is always an HTTP status. Then, while the model is
+not there yet::
+
+    model loaded (or ready within ping_interval)   -> exactly as above
+    load waiting for room (another model must go)  -> no bytes yet: "no room" is
+                                                      still a 503 + Retry-After
+    model being read / downloaded > ping_interval  -> 200 + SSE head, a ping
+                                                      frame every ping_interval
+                                                      (:class:`LoadingStreamResponse`)
+
+Once such a stream has started, the generation continues in it unchanged
+(``message_start`` after admission ...), and anything that fails before the
+first event (the load, "no room" after an unload race, the context check, a
+full queue) is the dialect's in-stream error: Anthropic ``event: error``
+(never ``message_stop``), an OpenAI error chunk, a Responses ``error`` +
+``response.failed``.
+
 Trailers: on a stream the cached-token count is known only at the end. When the
 ASGI server offers the ``http.response.trailers`` extension (HTTP/2 servers,
 Starlette's test client) ``X-Cached-Tokens`` and ``X-Session-Cache`` are sent as
@@ -44,7 +63,7 @@ from mlx_cairn.api.dialects import Dialect, error_response
 from mlx_cairn.api.metrics import CLIENT_GONE_SCOPE_KEY, observe_event
 from mlx_cairn.api.registry import ServedModel
 from mlx_cairn.api.state import AppState, app_state, read_json
-from mlx_cairn.errors import ContextLengthExceeded, error_kind
+from mlx_cairn.errors import CairnError, ContextLengthExceeded, error_kind
 from mlx_cairn.protocol.base import Codec, WireEvent, check_depth, encode
 from mlx_cairn.protocol.sse import comment, json_bytes
 from mlx_cairn.types import ChatRequest, Done, Error, Event
@@ -87,7 +106,7 @@ async def serve_generation(
     parse: Callable[[Any, AppState], R],
     make_codec: Callable[[R, AppState, ServedModel, int], Codec],
 ) -> Response:
-    """The one route body of every generation dialect: parse -> prepare -> codec -> submit.
+    """The one route body of every generation dialect: parse -> lease -> prepare -> codec -> submit.
 
     Everything that can fail on the request's content runs before
     :meth:`Engine.submit`: body decoding and its nesting bound, the dialect's
@@ -95,22 +114,54 @@ async def serve_generation(
     the codec with its opening frames (which copy the request's echoed
     fields). After submit nothing can leave the generation behind: any
     exception cancels it, and :class:`GenerationResponse` cancels it whenever
-    it stops early.
+    it stops early. A stream whose model takes long to load starts before the
+    lease (see the module doc).
     """
     state = app_state(request)
     body = await read_json(request)
     check_depth(body)
     req = parse(body, state)
-    sm = await state.registry.get(req.model)
-    clamp = state.config.clamp_max_tokens or req.open_ended
-    prepared = await prepare_generation(sm, req.chat, clamp_max_tokens=clamp)
-    n = int(prepared.num_prompt_tokens)
-    codec = make_codec(req, state, sm, n)
-    opening = codec.open()
-    stream = sm.engine.submit(prepared)  # QueueFull at once when the queue is full
+    if not req.stream:
+        return await _start(state, dialect, req, make_codec)
+    start = asyncio.ensure_future(_start(state, dialect, req, make_codec))
+    try:
+        if not await _loads_too_long(state, req.model, start):
+            return await start
+        slot = state.registry.resolve(req.model)
+        return LoadingStreamResponse(
+            start,
+            make_codec(req, state, slot, 0),  # pings and errors only: no opening is sent
+            dialect=dialect,
+            model=slot.name,
+            ping_interval=state.config.ping_interval,
+        )
+    except BaseException:
+        start.cancel()
+        raise
+
+
+async def _start(
+    state: AppState,
+    dialect: Dialect,
+    req: R,
+    make_codec: Callable[[R, AppState, ServedModel, int], Codec],
+) -> GenerationResponse:
+    """Lease the model (waiting for its load), prepare, build the codec, submit in turn."""
+    lease: Any = await state.registry.get(req.model)
+    try:
+        clamp = state.config.clamp_max_tokens or req.open_ended
+        prepared = await prepare_generation(lease, req.chat, clamp_max_tokens=clamp)
+        n = int(prepared.num_prompt_tokens)
+        codec = make_codec(req, state, lease, n)
+        opening = codec.open()
+        await lease.turn()  # those who waited for the same load submit in arrival order
+        stream = lease.engine.submit(prepared)  # QueueFull at once when the queue is full
+    except BaseException:
+        lease.release()
+        raise
     try:
         return GenerationResponse(
-            Generation(stream, n, sm),
+            Generation(stream, n, lease),
             codec,
             stream=req.stream,
             dialect=dialect,
@@ -120,6 +171,21 @@ async def serve_generation(
     except BaseException:
         stream.cancel()
         raise
+
+
+async def _loads_too_long(state: AppState, name: str, start: asyncio.Future[Any]) -> bool:
+    """Wait for ``start``; True once it has waited ``ping_interval`` while the model loads
+    (then the stream must start to stay alive), False when it is done first."""
+    loop = asyncio.get_running_loop()
+    patience = state.config.ping_interval
+    deadline = loop.time() + patience
+    step = max(0.01, min(patience, 0.25))  # how often the model's state is looked at
+    while True:
+        done, _ = await asyncio.wait({start}, timeout=step)
+        if done:
+            return False
+        if loop.time() >= deadline and state.registry.loading(name):
+            return True
 
 
 async def prepare_generation(
@@ -150,6 +216,9 @@ async def start_generation(
 ) -> Generation:
     """Prepare and submit (for callers without a dialect route, e.g. tests and tools)."""
     prepared = await prepare_generation(sm, chat, clamp_max_tokens=clamp_max_tokens)
+    turn = getattr(sm, "turn", None)  # a ModelLease keeps arrival order after a load
+    if turn is not None:
+        await turn()
     stream = sm.engine.submit(prepared)
     return Generation(stream, int(prepared.num_prompt_tokens), sm)
 
@@ -194,11 +263,29 @@ class GenerationResponse(Response):
         self._pending: asyncio.Future[Event] | None = None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        self._scope = scope  # for the /metrics observations of final events
         watcher = asyncio.ensure_future(_wait_for_disconnect(receive))
         try:
+            await self.run(scope, receive, send, watcher)
+        finally:
+            watcher.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await watcher
+
+    async def run(
+        self,
+        scope: Scope,
+        receive: Receive,
+        send: Send,
+        watcher: asyncio.Future[None],
+        *,
+        head_sent: bool = False,
+    ) -> None:
+        """Serve the generation; ``watcher`` ends when the client leaves. ``head_sent``:
+        the SSE head (and pings) already went out (:class:`LoadingStreamResponse`)."""
+        self._scope = scope  # for the /metrics observations of final events
+        try:
             if self.stream:
-                await self._run_stream(scope, send, watcher)
+                await self._run_stream(scope, send, watcher, head_sent)
             else:
                 await self._run_json(scope, receive, send, watcher)
         except _Disconnected:
@@ -207,12 +294,9 @@ class GenerationResponse(Response):
                 scope[CLIENT_GONE_SCOPE_KEY] = True
             observe_event(scope, self.gen.model.name, Error("disconnected", "client went away"))
         finally:
-            watcher.cancel()
             if self._pending is not None:
                 self._pending.cancel()
             self.gen.stream.cancel()  # no-op once the stream has finished
-            with contextlib.suppress(asyncio.CancelledError):
-                await watcher
 
     async def _next(self, watcher: asyncio.Future[None], timeout: float | None) -> Event | None:
         """The next Event, None on timeout; raises _Disconnected when the client left."""
@@ -232,19 +316,11 @@ class GenerationResponse(Response):
 
     # ------------------------------------------------------------ SSE
 
-    async def _run_stream(self, scope: Scope, send: Send, watcher: asyncio.Future[None]) -> None:
-        trailers = TRAILERS_EXT in (scope.get("extensions") or {})
-        headers = [
-            (b"content-type", b"text/event-stream; charset=utf-8"),
-            (b"cache-control", b"no-cache"),
-            (b"x-accel-buffering", b"no"),
-            (b"x-session-cache", b"streaming"),
-        ]
-        if trailers:
-            headers.append((b"trailer", b"X-Session-Cache, X-Cached-Tokens"))
-        await send(
-            {"type": "http.response.start", "status": 200, "headers": headers, "trailers": trailers}
-        )
+    async def _run_stream(
+        self, scope: Scope, send: Send, watcher: asyncio.Future[None], head_sent: bool
+    ) -> None:
+        if not head_sent:
+            await _send_sse_head(scope, send)
 
         async def out(frames: list[WireEvent]) -> None:
             if frames:
@@ -271,23 +347,7 @@ class GenerationResponse(Response):
                 break
             if isinstance(ev, Error):
                 break
-        cached = done.usage.cached_tokens if done is not None else 0
-        session = b"prefix_hit" if cached > 0 else b"fresh"
-        if trailers:
-            await send({"type": "http.response.body", "body": b"", "more_body": False})
-            await send(
-                {
-                    "type": "http.response.trailers",
-                    "headers": [
-                        (b"x-session-cache", session),
-                        (b"x-cached-tokens", str(cached).encode()),
-                    ],
-                    "more_trailers": False,
-                }
-            )
-        else:
-            tail = comment(f"x-session-cache={session.decode()} x-cached-tokens={cached}")
-            await send({"type": "http.response.body", "body": tail, "more_body": False})
+        await _end_sse(scope, send, done.usage.cached_tokens if done is not None else 0)
 
     # ----------------------------------------------------------- JSON
 
@@ -319,6 +379,121 @@ class GenerationResponse(Response):
         ]
         await send({"type": "http.response.start", "status": 200, "headers": headers})
         await send({"type": "http.response.body", "body": body, "more_body": False})
+
+
+class LoadingStreamResponse(Response):
+    """SSE for a streamed request whose model is still loading (see the module doc).
+
+    Sends the SSE head and a ping at once (the client has waited
+    ``ping_interval`` already), then one every ``ping_interval`` while
+    ``start`` (lease -> prepare -> submit) runs; then hands the stream to the
+    :class:`GenerationResponse` that ``start`` built, or ends it with the
+    dialect's in-stream error. ``codec`` serves only for pings and that error.
+    A client that leaves cancels ``start`` (its wait gives up; the load goes on
+    for the others).
+    """
+
+    def __init__(
+        self,
+        start: asyncio.Future[GenerationResponse],
+        codec: Codec,
+        *,
+        dialect: Dialect,
+        model: str,
+        ping_interval: float = PING_INTERVAL,
+    ) -> None:
+        # Response.__init__ is not called: this class writes its own messages.
+        self.status_code = 200
+        self.background = None
+        self.start = start
+        self.codec = codec
+        self.dialect = dialect
+        self.model = model
+        self.ping_interval = ping_interval
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        watcher = asyncio.ensure_future(_wait_for_disconnect(receive))
+        gen: GenerationResponse | None = None
+        try:
+            await _send_sse_head(scope, send)
+            while True:
+                await send(
+                    {"type": "http.response.body", "body": self.codec.ping(), "more_body": True}
+                )
+                waiting: set[asyncio.Future[Any]] = {self.start, watcher}
+                done, _ = await asyncio.wait(
+                    waiting,
+                    timeout=self.ping_interval,
+                    return_when=asyncio.FIRST_COMPLETED,
+                )
+                if self.start in done:
+                    break
+                if watcher in done:
+                    log.info("client disconnected while its model loaded")
+                    observe_event(scope, self.model, Error("disconnected", "client went away"))
+                    return
+            try:
+                gen = self.start.result()
+            except CairnError as e:
+                await self._fail(scope, send, e.kind, e.message_for(self.dialect.name))
+                return
+            except Exception:
+                log.exception("starting a generation after its model loaded")
+                await self._fail(scope, send, "internal", "internal server error")
+                return
+            await gen.run(scope, receive, send, watcher, head_sent=True)
+        finally:
+            watcher.cancel()
+            if not self.start.done():
+                self.start.cancel()
+            elif gen is None and not self.start.cancelled() and self.start.exception() is None:
+                self.start.result().gen.stream.cancel()  # built, never served
+            with contextlib.suppress(asyncio.CancelledError):
+                await watcher
+
+    async def _fail(self, scope: Scope, send: Send, kind: str, message: str) -> None:
+        err = Error(kind, message)
+        frames = self.codec.open() + self.codec.feed(err)
+        body = b"".join(encode(f) for f in frames)
+        await send({"type": "http.response.body", "body": body, "more_body": True})
+        observe_event(scope, self.model, err)
+        await _end_sse(scope, send, 0)
+
+
+async def _send_sse_head(scope: Scope, send: Send) -> None:
+    """``http.response.start`` of an SSE answer (trailers announced when the server has them)."""
+    trailers = TRAILERS_EXT in (scope.get("extensions") or {})
+    headers = [
+        (b"content-type", b"text/event-stream; charset=utf-8"),
+        (b"cache-control", b"no-cache"),
+        (b"x-accel-buffering", b"no"),
+        (b"x-session-cache", b"streaming"),
+    ]
+    if trailers:
+        headers.append((b"trailer", b"X-Session-Cache, X-Cached-Tokens"))
+    await send(
+        {"type": "http.response.start", "status": 200, "headers": headers, "trailers": trailers}
+    )
+
+
+async def _end_sse(scope: Scope, send: Send, cached: int) -> None:
+    """End an SSE answer with its session-cache figures (trailers, else a comment line)."""
+    session = b"prefix_hit" if cached > 0 else b"fresh"
+    if TRAILERS_EXT in (scope.get("extensions") or {}):
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+        await send(
+            {
+                "type": "http.response.trailers",
+                "headers": [
+                    (b"x-session-cache", session),
+                    (b"x-cached-tokens", str(cached).encode()),
+                ],
+                "more_trailers": False,
+            }
+        )
+    else:
+        tail = comment(f"x-session-cache={session.decode()} x-cached-tokens={cached}")
+        await send({"type": "http.response.body", "body": tail, "more_body": False})
 
 
 def _fold_bytes(codec: Codec, wire: list[WireEvent]) -> bytes:
