@@ -86,11 +86,42 @@ def model_classes(config: dict[str, Any]) -> tuple[type[nn.Module], type]:
     from mlx_lm.utils import _get_classes
 
     try:
-        return _get_classes(config)  # type: ignore[no-any-return]
+        classes = _get_classes(config)
     except ValueError:
         raise _unsupported(model_type, "not a model_type mlx-lm knows") from None
     except Exception as e:  # an architecture module that fails to import
         raise _unsupported(model_type, f"mlx-lm cannot import it ({e})") from None
+    lacking = _lacking_cache_kinds(classes[0])
+    if lacking:
+        raise _unsupported(model_type, _needs(lacking[0]))
+    return classes  # type: ignore[no-any-return]
+
+
+#: mlx-lm cache kinds the engine has no pools for (recurrent state, chunked attention, ...).
+_LACKING = ("ArraysCache", "MambaCache", "ChunkedKVCache", "CacheList", "QuantizedKVCache")
+
+
+def _needs(kind: str) -> str:
+    return (
+        f"its layers need a {kind}, a cache kind this engine does not have "
+        "(recurrent / hybrid state)"
+    )
+
+
+def _lacking_cache_kinds(model_cls: type) -> list[str]:
+    """Cache kinds ``model_cls.make_cache`` builds that we lack, read from its source.
+
+    This refuses hybrids by name before any weight is read (their configs may
+    not even build); :func:`layer_specs` checks the built caches again.
+    """
+    make = getattr(model_cls, "make_cache", None)
+    if make is None:
+        return []
+    try:
+        src = inspect.getsource(make)
+    except (OSError, TypeError):
+        return []
+    return [k for k in _LACKING if f"{k}(" in src]
 
 
 def _quantize_like_mlx_lm(
@@ -153,8 +184,15 @@ def load_folder(folder: Path) -> tuple[nn.Module, dict[str, Any]]:
     model_classes(config)  # an unknown model_type is named before any weight is read
     try:
         model, config = load_model(folder, lazy=True)
-    except (FileNotFoundError, ValueError, KeyError, TypeError) as e:
-        raise ModelLoadError(f"cannot load {folder.name} with mlx-lm: {e}") from None
+    except Exception as e:  # whatever mlx-lm's loader trips on is a bad checkpoint to us
+        q = config.get("quantization_config") or config.get("quantization") or {}
+        method = q.get("quant_method") if isinstance(q, dict) else None
+        what = f"model_type {config.get('model_type')!r}" + (
+            f", quantization {method}" if method else ""
+        )
+        raise ModelLoadError(
+            f"cannot load {folder.name} ({what}) with mlx-lm: {type(e).__name__}: {e}"
+        ) from None
     return model, config
 
 
@@ -282,11 +320,7 @@ def layer_specs(model: nn.Module) -> list[LayerSpec]:
         elif type(c) is RotatingKVCache and c.keep == 0:
             windows.append(int(c.max_size))
         else:
-            raise _unsupported(
-                model_type,
-                f"its layers need a {type(c).__name__}, a cache kind this engine does not have "
-                "(recurrent / hybrid state)",
-            )
+            raise _unsupported(model_type, _needs(type(c).__name__))
     probes = [_Probe() for _ in kinds]
     tokens = mx.zeros((1, 1), dtype=mx.int32)
     backbone = _backbone(model)
