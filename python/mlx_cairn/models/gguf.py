@@ -1,172 +1,314 @@
-"""Load a GGUF file: weights via ``mx.load``, tokenizer and template from its metadata.
+"""Load a GGUF file: every llama.cpp tensor type through the ``gguf`` package.
 
-GGUF names map onto the HF module names the architecture uses::
+Two layers:
 
-    token_embd            -> model.embed_tokens
-    blk.N.attn_q / _k / _v / _output -> model.layers.N.self_attn.{q,k,v,o}_proj
-    blk.N.attn_q_norm / attn_k_norm  -> ...self_attn.{q,k}_norm   (Qwen3)
-    blk.N.ffn_gate / _up / _down     -> ...mlp.{gate,up,down}_proj
-    blk.N.attn_norm / ffn_norm       -> ...input_layernorm / post_attention_layernorm
-    output_norm / output             -> model.norm / lm_head
+- :func:`read_gguf` turns any supported file (:data:`gguf_arch.ARCHS`: llama,
+  qwen2, qwen3, qwen3moe, gemma3, phi3) into what a Hugging Face / mlx-lm
+  model class takes: a ``config.json`` dict, weights under HF names, the
+  tokenizer and chat template. It runs no model.
+- :func:`load_gguf` builds our own Llama-family model from that
+  (``model_type`` llama / qwen2 / qwen3); other model types are refused by
+  name until an architecture adapter takes them.
 
-llama.cpp permutes Llama Q/K rows into the interleaved RoPE order, so GGUF
-Llama models run with ``rope_traditional=True``; Qwen GGUFs keep the HF order.
+Tensors, by GGUF type and backend::
+
+    type                      CPU (dequantize)               GPU (keep quantized)
+    Q4_0 Q4_1 Q8_0            repacked to MLX affine, then   the affine triple itself
+                              mx.dequantize (exact)          (lossless, as mx.load did)
+    every other quantized     gguf.quants.dequantize         mx.quantize of that, bits and
+    type (K-quants, IQ, ...)                                 group from REQUANT
+    F32 F16 BF16              float                          float
+
+The affine repacking is exact: those three formats *are* affine per 32
+values (``x = d*q + m``), and ``d*q`` is exact in fp32, so the result equals
+``gguf.quants.dequantize`` bit for bit (``tests/test_gguf_quants.py``).
 """
 
 from __future__ import annotations
 
-import re
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import gguf
 import mlx.core as mx
+import numpy as np
+from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from mlx_cairn.chat.builtin_templates import CHATML
-from mlx_cairn.chat.gguf_tokenizer import tokenizer_from_gguf
+from mlx_cairn.chat.tokenizer import Tokenizer
 from mlx_cairn.errors import ModelLoadError
-from mlx_cairn.models.gguf_check import check_gguf
-from mlx_cairn.models.llama import LlamaModel, ModelArgs
+from mlx_cairn.models import gguf_arch
+from mlx_cairn.models.gguf_check import GGUFHeader, TensorInfo, read_header
+from mlx_cairn.models.gguf_tokenizer import tokenizer_from_header
 from mlx_cairn.models.loaded import LoadedModel, assemble
 from mlx_cairn.models.weights import (
-    cast_floats,
-    dequantize_all,
     dtype_name,
-    infer_bits,
     install_weights,
+    on_cpu,
     resolve_dtype,
     weights_identity,
 )
 
-_GGUF_ARCHS = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3"}
-_LAYER_NAMES = {
-    "attn_q": "self_attn.q_proj",
-    "attn_k": "self_attn.k_proj",
-    "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj",
-    "attn_q_norm": "self_attn.q_norm",
-    "attn_k_norm": "self_attn.k_norm",
-    "ffn_gate": "mlp.gate_proj",
-    "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj",
-    "attn_norm": "input_layernorm",
-    "ffn_norm": "post_attention_layernorm",
+Q = GGMLQuantizationType
+_FLOAT_TYPES = frozenset({Q.F32, Q.F16, Q.BF16, Q.F64})
+#: Formats that are MLX affine quantization already: type -> bits (group size 32).
+EXACT_AFFINE = {Q.Q4_0: 4, Q.Q4_1: 4, Q.Q8_0: 8}
+#: GPU re-quantization of the other types: (bits, group size), about the GGUF size.
+#: Group 64 matches the bits per weight of the 256-value K-quant super-blocks
+#: (Q4_K 4.5 bpw -> 4-bit/64 4.5 bpw); below 2 bits MLX has nothing smaller.
+REQUANT: dict[GGMLQuantizationType, tuple[int, int]] = {
+    Q.Q5_0: (5, 32),
+    Q.Q5_1: (5, 32),
+    Q.Q2_K: (2, 32),
+    Q.Q3_K: (3, 64),
+    Q.Q4_K: (4, 64),
+    Q.Q5_K: (5, 64),
+    Q.Q6_K: (6, 64),
+    Q.IQ1_S: (2, 64),
+    Q.IQ1_M: (2, 64),
+    Q.IQ2_XXS: (2, 32),
+    Q.IQ2_XS: (2, 32),
+    Q.IQ2_S: (2, 32),
+    Q.IQ3_XXS: (3, 64),
+    Q.IQ3_S: (3, 64),
+    Q.IQ4_NL: (4, 32),
+    Q.IQ4_XS: (4, 64),
+    Q.TQ1_0: (2, 64),
+    Q.TQ2_0: (2, 64),
+    Q.MXFP4: (4, 32),
 }
-_TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
-_GROUP_SIZE = 32  # every GGUF block format MLX keeps quantized uses 32-value blocks
+_DEFAULT_REQUANT = (8, 32)
 
 
-def _scalar(meta: dict[str, Any], key: str, default: Any = None) -> Any:
-    v = meta.get(key, default)
-    if isinstance(v, mx.array):
-        return v.item()
-    return v
+@dataclass
+class GGUFContents:
+    """A GGUF file in Hugging Face terms (what ``read_gguf`` returns).
+
+    ``weights`` hold dense arrays, or for a quantized module the MLX affine
+    triple ``<m>.weight`` (uint32) / ``<m>.scales`` / ``<m>.biases`` with
+    ``quantization[<m>] = (group_size, bits)``; ``config["quantization"]``
+    says the same in mlx-lm's format.
+    """
+
+    arch: str
+    config: dict[str, Any]
+    weights: dict[str, mx.array]
+    tokenizer: Tokenizer
+    chat_template: str | None
+    eos_token_ids: set[int]
+    header: GGUFHeader
+    quantization: dict[str, tuple[int, int]] = field(default_factory=dict)
+    #: Llama 3.1 long-context RoPE: llama.cpp's per-frequency divisors (``rope_freqs.weight``).
+    rope_freqs: mx.array | None = None
+
+    @property
+    def metadata(self) -> dict[str, Any]:
+        return self.header.metadata
 
 
-def _rename(key: str) -> str | None:
-    m = re.fullmatch(r"blk\.(\d+)\.(\w+)\.(weight|bias|scales|biases)", key)
-    if m:
-        name = _LAYER_NAMES.get(m.group(2))
-        return None if name is None else f"model.layers.{m.group(1)}.{name}.{m.group(3)}"
-    m = re.fullmatch(r"(\w+)\.(weight|bias|scales|biases)", key)
-    if m and m.group(1) in _TOP_NAMES:
-        return f"{_TOP_NAMES[m.group(1)]}.{m.group(2)}"
-    return None
+def raw_blocks(data: np.ndarray, info: TensorInfo) -> np.ndarray:
+    """The tensor's bytes shaped ``[*rows, bytes_per_row]`` (what ``gguf.quants`` takes)."""
+    block, size = GGML_QUANT_SIZES[info.ggml_type]
+    raw = data[info.offset : info.offset + info.nbytes]
+    return raw.reshape(*info.shape[:-1], info.shape[-1] // block * size)
 
 
-def args_from_gguf(meta: dict[str, Any], weights: dict[str, mx.array]) -> ModelArgs:
-    """Hyper-parameters from GGUF metadata; an unsupported architecture is named."""
-    arch = meta.get("general.architecture")
-    if arch not in _GGUF_ARCHS:
+def dequantize(data: np.ndarray, info: TensorInfo) -> np.ndarray:
+    """The tensor as float32 numpy, by ``gguf.quants.dequantize``."""
+    try:
+        out = gguf.quants.dequantize(raw_blocks(data, info), info.ggml_type)
+    except NotImplementedError:
         raise ModelLoadError(
-            f"unsupported model architecture {arch!r} in GGUF; supported: {', '.join(sorted(_GGUF_ARCHS))}"
+            f"GGUF tensor {info.name} has type {info.ggml_type.name}, which the gguf package "
+            "cannot dequantize"
+        ) from None
+    return np.asarray(out, dtype=np.float32).reshape(info.shape)
+
+
+def affine_blocks(raw: np.ndarray, qtype: GGMLQuantizationType) -> tuple[np.ndarray, ...]:
+    """Q4_0 / Q4_1 / Q8_0 blocks as MLX affine arrays (packed uint32, scales, biases; fp16).
+
+    A block holds 32 values ``x = d*q + m`` (Q4_0: ``m = -8d``, Q8_0: ``m = -128d``
+    with ``q`` taken unsigned). GGUF 4-bit blocks keep values 0-15 in the low
+    nibbles and 16-31 in the high ones; MLX packs value ``i`` at bits
+    ``4*(i % 8)`` of word ``i // 8``, i.e. two consecutive values per byte::
+
+        GGUF byte j = v[j] | v[j+16] << 4       MLX byte j = v[2j] | v[2j+1] << 4
+    """
+    rows = raw.shape[:-1]
+    _, size = GGML_QUANT_SIZES[qtype]
+    b = raw.reshape(-1, size)
+    d = b[:, 0:2].copy().view(np.float16)
+    if qtype == Q.Q8_0:
+        # int8 q + 128 as a byte is q's two's-complement byte with the sign bit flipped.
+        packed = b[:, 2:] ^ np.uint8(0x80)
+        biases = d * np.float16(-128)
+    else:
+        qs = b[:, 4:] if qtype == Q.Q4_1 else b[:, 2:]
+        even, odd = qs[:, 0::2], qs[:, 1::2]
+        packed = np.concatenate(
+            [(even & 0x0F) | (odd << 4), (even >> 4) | (odd & 0xF0)], axis=1
+        )  # values 0-15 from the low nibbles, then 16-31 from the high ones
+        biases = b[:, 2:4].copy().view(np.float16) if qtype == Q.Q4_1 else d * np.float16(-8)
+    packed = np.ascontiguousarray(packed).reshape(*rows, -1).view(np.uint32)
+    return packed, d.reshape(*rows, -1), biases.reshape(*rows, -1)
+
+
+def _triple(
+    w: mx.array, scales: mx.array, biases: mx.array, dtype: mx.Dtype
+) -> dict[str, mx.array]:
+    return {"weight": w, "scales": scales.astype(dtype), "biases": biases.astype(dtype)}
+
+
+def decode_tensor(
+    data: np.ndarray, info: TensorInfo, *, keep_quantized: bool, dtype: mx.Dtype
+) -> tuple[dict[str, mx.array], tuple[int, int] | None]:
+    """One tensor as ``{"weight": w}`` (dense ``dtype``) or an affine triple with (group, bits)."""
+    qtype = info.ggml_type
+    quantized = qtype not in _FLOAT_TYPES and len(info.shape) >= 2
+    if quantized and qtype in EXACT_AFFINE:
+        bits = EXACT_AFFINE[qtype]
+        packed, scales, biases = (mx.array(a) for a in affine_blocks(raw_blocks(data, info), qtype))
+        if keep_quantized:
+            return _triple(packed, scales, biases, dtype), (32, bits)
+        # fp32 scales: d*q is exact there, so this equals gguf.quants.dequantize.
+        w = mx.dequantize(
+            packed, scales.astype(mx.float32), biases.astype(mx.float32), group_size=32, bits=bits
         )
-    p = f"{arch}."
-    heads = int(_scalar(meta, p + "attention.head_count"))
-    hidden = int(_scalar(meta, p + "embedding_length"))
-    if "token_embd.weight" not in weights:
+        return {"weight": w.astype(dtype)}, None
+    w = mx.array(dequantize(data, info))
+    if quantized and keep_quantized:
+        bits, group = REQUANT.get(qtype, _DEFAULT_REQUANT)
+        if info.shape[-1] % group:
+            group = 32
+        wq, scales, biases = mx.quantize(w, group_size=group, bits=bits)
+        return _triple(wq, scales, biases, dtype), (group, bits)
+    return {"weight": w.astype(dtype)}, None
+
+
+def read_gguf(
+    path: Path,
+    *,
+    keep_quantized: bool = False,
+    dtype: mx.Dtype = mx.float32,
+    qk_order: str = "hf",
+    header: GGUFHeader | None = None,
+) -> GGUFContents:
+    """Read ``path`` into HF-named weights, config, tokenizer and template.
+
+    ``keep_quantized``: quantized tensors as MLX affine triples (the GPU path)
+    instead of dense ``dtype`` arrays. ``qk_order``: "hf" gives Llama Q/K in
+    HF's split-half RoPE order; "gguf" keeps llama.cpp's interleaved rows and
+    sets ``config["rope_traditional"]`` (same model, fewer copies).
+    """
+    if qk_order not in ("hf", "gguf"):
+        raise ValueError(f"qk_order must be 'hf' or 'gguf', not {qk_order!r}")
+    header = header or read_header(path)
+    meta = header.metadata
+    arch, spec = gguf_arch.arch_spec(meta)
+    by_name = {t.name: t for t in header.tensors}
+    data = np.memmap(path, dtype=np.uint8, mode="r")
+
+    def small(name: str) -> np.ndarray | None:
+        info = by_name.get(name)
+        return None if info is None else dequantize(data, info)
+
+    config = gguf_arch.config_from_gguf(meta, by_name, small, qk_order=qk_order)
+    names = gguf_arch.hf_name_map(arch, config["num_hidden_layers"])
+    weights: dict[str, mx.array] = {}
+    quantization: dict[str, tuple[int, int]] = {}
+    for info in header.tensors:
+        if gguf_arch.NOT_MODULES.fullmatch(info.name):
+            continue
+        hf = gguf_arch.hf_name(names, info.name)
+        arrays, q = decode_tensor(data, info, keep_quantized=keep_quantized, dtype=dtype)
+        for base, parts in gguf_arch.to_hf(spec, config, hf, arrays, qk_order=qk_order).items():
+            for k, v in parts.items():
+                weights[f"{base}.{k}"] = v
+            if q is not None:
+                quantization[base] = q
+    if "model.embed_tokens.weight" not in weights:
         raise ModelLoadError("GGUF file has no token_embd.weight")
-    vocab = _scalar(meta, p + "vocab_size") or weights["token_embd.weight"].shape[0]
-    return ModelArgs(
-        model_type=_GGUF_ARCHS[arch],
-        hidden_size=hidden,
-        num_hidden_layers=int(_scalar(meta, p + "block_count")),
-        intermediate_size=int(_scalar(meta, p + "feed_forward_length")),
-        num_attention_heads=heads,
-        num_key_value_heads=int(_scalar(meta, p + "attention.head_count_kv", heads)),
-        head_dim=int(_scalar(meta, p + "attention.key_length", hidden // heads)),
-        vocab_size=int(vocab),
-        rms_norm_eps=float(_scalar(meta, p + "attention.layer_norm_rms_epsilon", 1e-6)),
-        rope_theta=float(_scalar(meta, p + "rope.freq_base", 10000.0)),
-        rope_traditional=arch in ("llama", "mistral"),
-        tie_word_embeddings="output.weight" not in weights,
-        attention_bias=False,
-        max_position_embeddings=int(_scalar(meta, p + "context_length", 4096)),
+    if quantization:
+        common = max(set(quantization.values()), key=list(quantization.values()).count)
+        config["quantization"] = {
+            "group_size": common[0],
+            "bits": common[1],
+            **{m: {"group_size": g, "bits": b} for m, (g, b) in quantization.items()},
+        }
+    mx.eval(weights)
+    rope_freqs = small("rope_freqs.weight")
+    template = meta.get("tokenizer.chat_template")
+    eos = {
+        int(meta[f"tokenizer.ggml.{k}"])
+        for k in ("eos_token_id", "eot_token_id", "eom_token_id")
+        if meta.get(f"tokenizer.ggml.{k}") is not None
+    }
+    return GGUFContents(
+        arch=arch,
+        config=config,
+        weights=weights,
+        tokenizer=tokenizer_from_header(meta),
+        chat_template=template if isinstance(template, str) else None,
+        eos_token_ids=eos,
+        header=header,
+        quantization=quantization,
+        rope_freqs=None if rope_freqs is None else mx.array(rope_freqs),
     )
 
 
 def load_gguf(
     path: Path, *, dtype: str = "auto", keep_quantized: bool | None = None
 ) -> LoadedModel:
-    """Load a ``.gguf`` file; unreadable or unsupported content is a :class:`ModelLoadError`."""
-    check_gguf(path)  # MLX's reader crashes the process on a corrupt file instead of raising
-    try:
-        loaded = mx.load(str(path), return_metadata=True)
-    except (OSError, ValueError, RuntimeError) as e:
-        raise ModelLoadError(f"cannot read GGUF {path.name}: {e}") from None
-    raw: dict[str, mx.array] = loaded[0]  # type: ignore[index,assignment]
-    meta: dict[str, Any] = loaded[1]  # type: ignore[index,assignment]
-    args = args_from_gguf(meta, raw)
-    rope_factors = raw.get("rope_freqs.weight")
-    weights = {}
-    for k, v in raw.items():
-        name = _rename(k)
-        if name is not None:
-            weights[name] = v
+    """Load a ``.gguf`` file into our Llama-family model; anything unreadable is a :class:`ModelLoadError`."""
+    from mlx_cairn.models.llama import SUPPORTED_MODEL_TYPES, LlamaModel, ModelArgs
 
-    floats = [v.dtype for k, v in weights.items() if k.endswith("norm.weight")]
-    compute, dequant = resolve_dtype(dtype, floats[0] if floats else None)
+    header = read_header(path)
+    arch = header.metadata.get("general.architecture")
+    spec = gguf_arch.ARCHS.get(arch) if isinstance(arch, str) else None
+    if spec is None or spec.model_type not in SUPPORTED_MODEL_TYPES:
+        runnable = sorted(
+            a for a, s in gguf_arch.ARCHS.items() if s.model_type in SUPPORTED_MODEL_TYPES
+        )
+        named = f"{arch!r}" + (f" (model_type {spec.model_type})" if spec else "")
+        raise ModelLoadError(
+            f"unsupported model architecture {named} in GGUF; supported: {', '.join(runnable)}"
+        )
+    # GGUF norms are F32: "auto" computes in fp32 (dequantized on CPU, quantized on GPU).
+    compute, dequant = resolve_dtype(dtype, mx.float32)
     if keep_quantized is not None:
         dequant = not keep_quantized
-
-    def spec(base: str) -> tuple[int, int] | None:
-        scales = weights.get(f"{base}.scales")
-        if scales is None:
-            return None
-        return _GROUP_SIZE, infer_bits(weights[f"{base}.weight"], scales, _GROUP_SIZE)
-
-    quantized = any(k.endswith(".scales") for k in weights)
-    tag = dtype_name(compute) + ("+q" if quantized and not dequant else "")
-    if quantized and dequant:
-        weights = dequantize_all(weights, spec, compute)
-    weights = cast_floats(weights, compute)
+    # Our Llama runs llama.cpp's interleaved Q/K rows as they are (rope_traditional).
+    contents = read_gguf(
+        path, keep_quantized=not dequant, dtype=compute, qk_order="gguf", header=header
+    )
+    config = dict(contents.config)
+    config.pop("quantization", None)
+    args = ModelArgs.from_config(config)
+    tag = dtype_name(compute) + ("+q" if contents.quantization else "")
     model = LlamaModel(args)
-    install_weights(model, weights, spec if quantized and not dequant else None)
-    if rope_factors is not None:
+    spec_q = contents.quantization.get if contents.quantization else None
+    install_weights(model, contents.weights, spec_q)
+    if contents.rope_freqs is not None:
         # Llama 3.1 GGUFs store the long-context scaling as per-frequency divisors.
         d = args.head_dim or 0
-        freqs = args.rope_theta ** (mx.arange(0, d, 2, dtype=mx.float32) / d) * rope_factors.astype(
-            mx.float32
-        )
+        freqs = args.rope_theta ** (mx.arange(0, d, 2, dtype=mx.float32) / d) * contents.rope_freqs
         for layer in model.model.layers:
             layer.self_attn.rope.set_freqs(freqs)
         args.extra["rope_freqs_from_gguf"] = True
-
-    tokenizer = tokenizer_from_gguf(meta)
-    eos = set()
-    for key in ("eos_token_id", "eot_token_id", "eom_token_id"):
-        v = _scalar(meta, f"tokenizer.ggml.{key}")
-        if v is not None:
-            eos.add(int(v))
-    template = meta.get("tokenizer.chat_template")
     name = path.name.removesuffix(".gguf")
     return assemble(
         name=name,
         model=model,
-        tokenizer=tokenizer,
-        template_source=template if isinstance(template, str) else CHATML,
-        eos_token_ids=eos,
+        tokenizer=contents.tokenizer,
+        template_source=contents.chat_template or CHATML,
+        eos_token_ids=contents.eos_token_ids,
         context_length=args.max_position_embeddings,
         identity=f"{name}@{weights_identity([path], tag)}:{tag}",
         path=str(path),
         source_format="gguf",
     )
+
+
+__all__ = ["GGUFContents", "decode_tensor", "dequantize", "load_gguf", "on_cpu", "read_gguf"]
