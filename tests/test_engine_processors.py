@@ -191,3 +191,18 @@ def test_a_host_token_mask_skips_the_look_ahead_and_others_keep_it(lm, engine):
     assert placeholders[s_plain.request_id] > 0
     assert s_plain.output_ids == reference_ids(lm, plain.prompt_ids, 8, plain.sampling)
     assert_at_rest(engine)
+
+
+def test_logprobs_stay_raw_under_processors(lm, engine):
+    """A +100 bias picks the token; its reported logprob is still the model's own."""
+    eos = set(lm.eos_token_ids)
+    tok = next(t for t in range(60, 200) if t not in eos)
+    request = req("bias me", 4, logprobs=True, top_logprobs=2, logit_bias={tok: 100.0})
+    prepared = engine.prepare(request)
+    stream, events = run(engine, prepared)
+    assert stream.output_ids == [tok] * 4
+    ref = _raw_logprobs(lm, prepared.prompt_ids, stream.output_ids)
+    lps = [e for e in events if isinstance(e, TokenLogprob)]
+    assert len(lps) == 4
+    for e, row in zip(lps, ref, strict=True):
+        assert e.logprob == pytest.approx(float(row[tok]), abs=1e-4) and e.logprob < -0.01

@@ -5,7 +5,8 @@ runs as one batched MLX op over the rows that use it, and costs nothing for
 the rows that do not::
 
     logits [B, V] ─► penalties (rows with repetition / frequency / presence)
-                 ─► bias       (rows with logit_bias, and row masks such as a grammar's)
+                 ─► bias       (rows with logit_bias: a sparse add)
+                 ─► row masks  (additive [V] masks, such as a grammar's)
                  ─► sampler    (temperature, top_k, top_p, min_p)
 
 The penalties read the row's token counts. They live on the device and are
@@ -26,6 +27,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any, Protocol
 
 import mlx.core as mx
+import numpy as np
 
 if TYPE_CHECKING:
     from mlx_cairn.engine.sequence import Sequence
@@ -48,7 +50,8 @@ class RowProcessors:
     __slots__ = (
         "_counted",
         "_counts",
-        "bias",
+        "bias_ids",
+        "bias_values",
         "extra",
         "frequency",
         "presence",
@@ -63,11 +66,12 @@ class RowProcessors:
         self.repetition = float(s.repetition_penalty)
         self.frequency = float(s.frequency_penalty)
         self.presence = float(s.presence_penalty)
-        self.bias: mx.array | None = None
+        #: logit_bias as (token ids, values), applied as a sparse add.
+        self.bias_ids: np.ndarray | None = None
+        self.bias_values: np.ndarray | None = None
         if s.logit_bias:
-            ids = mx.array(list(s.logit_bias), dtype=mx.int32)
-            vals = mx.array(list(s.logit_bias.values()), dtype=mx.float32)
-            self.bias = mx.zeros((vocab,), dtype=mx.float32).at[ids].add(vals)
+            self.bias_ids = np.fromiter(s.logit_bias, dtype=np.int32)
+            self.bias_values = np.fromiter(s.logit_bias.values(), dtype=np.float32)
         self.prompt_seen: mx.array | None = None
         if self.repetition != 1.0:
             self.prompt_seen = _histogram(seq.tokens[: seq.num_prompt], vocab) > 0
@@ -107,45 +111,68 @@ class RowProcessors:
 
 
 def process(rows: list[Sequence], logits: mx.array) -> mx.array:
-    """Apply every row's processors to ``logits`` [B, V] (rows in order); a no-op when none."""
+    """``logits`` [B, V] with every row's processors applied (rows in order).
+
+    A new array: the raw logits stay as they were (logprobs read them). Each
+    kind runs once over the whole batch with neutral values for the rows that
+    do not use it, and is skipped when no row does; on this machine's CPU one
+    full [B, V] elementwise op costs about as much as a gather-and-scatter of
+    the rows, and it keeps the graph small.
+    """
     vocab = int(logits.shape[-1])
     procs = [RowProcessors.for_sequence(s, vocab) for s in rows]
     if all(p is None for p in procs):
         return logits
-    logits = logits.astype(mx.float32)
-    pen = [i for i, p in enumerate(procs) if p is not None and p.penalized]
-    if pen:
-        idx = mx.array(pen, dtype=mx.int32)
-        counts = mx.stack([procs[i].output_counts(rows[i]) for i in pen])  # type: ignore[union-attr]
-        sub = logits[idx]
-        rep = [procs[i].repetition for i in pen]  # type: ignore[union-attr]
+    out = logits.astype(mx.float32)
+    pen = [p if p is not None and p.penalized else None for p in procs]
+    if any(p is not None for p in pen):
+        zero = mx.zeros((vocab,), dtype=mx.float32)
+        counts = mx.stack(
+            [p.output_counts(s) if p is not None else zero for p, s in zip(pen, rows, strict=True)]
+        )
+        rep = [p.repetition if p is not None else 1.0 for p in pen]
         if any(r != 1.0 for r in rep):
-            seen = counts > 0
-            prompt = [procs[i].prompt_seen for i in pen]  # type: ignore[union-attr]
             none = mx.zeros((vocab,), dtype=mx.bool_)
-            seen = seen | mx.stack([p if p is not None else none for p in prompt])
+            seen = (counts > 0) | mx.stack(
+                [
+                    p.prompt_seen if p is not None and p.prompt_seen is not None else none
+                    for p in pen
+                ]
+            )
             r = mx.array(rep, dtype=mx.float32)[:, None]
-            sub = mx.where(seen, mx.where(sub > 0, sub / r, sub * r), sub)
-        freq = mx.array([procs[i].frequency for i in pen], dtype=mx.float32)[:, None]  # type: ignore[union-attr]
-        pres = mx.array([procs[i].presence for i in pen], dtype=mx.float32)[:, None]  # type: ignore[union-attr]
-        sub = sub - freq * counts - pres * (counts > 0).astype(mx.float32)
-        logits[idx] = sub
-    adds: list[tuple[int, mx.array]] = []
-    for i, p in enumerate(procs):
-        if p is None:
-            continue
-        parts = [m for m in (m.mask(rows[i], vocab) for m in p.extra) if m is not None]
-        if p.bias is not None:
-            parts.append(p.bias)
-        if parts:
-            total = parts[0]
-            for m in parts[1:]:
+            out = out * mx.where(seen, mx.where(out > 0, 1.0 / r, r), 1.0)
+        freq = [p.frequency if p is not None else 0.0 for p in pen]
+        if any(f != 0.0 for f in freq):
+            out = out - mx.array(freq, dtype=mx.float32)[:, None] * counts
+        pres = [p.presence if p is not None else 0.0 for p in pen]
+        if any(v != 0.0 for v in pres):
+            out = out - mx.array(pres, dtype=mx.float32)[:, None] * (counts > 0)
+    bias = [
+        (b, p.bias_ids, p.bias_values)
+        for b, p in enumerate(procs)
+        if p is not None and p.bias_ids is not None
+    ]
+    if bias:
+        r_idx = mx.array(np.concatenate([np.full(len(ids), b, np.int32) for b, ids, _ in bias]))
+        c_idx = mx.array(np.concatenate([ids for _, ids, _ in bias]))
+        vals = mx.array(np.concatenate([v for _, _, v in bias]))
+        out = out.at[r_idx, c_idx].add(vals)
+    masks = [
+        [m for m in (x.mask(rows[b], vocab) for x in p.extra) if m is not None]
+        if p is not None
+        else []
+        for b, p in enumerate(procs)
+    ]
+    if any(masks):
+        zero = mx.zeros((vocab,), dtype=mx.float32)
+        stacked = []
+        for ms in masks:
+            total = ms[0] if ms else zero
+            for m in ms[1:]:
                 total = total + m
-            adds.append((i, total))
-    if adds:
-        idx = mx.array([i for i, _ in adds], dtype=mx.int32)
-        logits[idx] = logits[idx] + mx.stack([m for _, m in adds])
-    return logits
+            stacked.append(total)
+        out = out + mx.stack(stacked)
+    return out
 
 
 def needs_host_token(seq: Sequence) -> bool:
