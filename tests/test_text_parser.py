@@ -166,7 +166,19 @@ def test_parser_api_errors() -> None:
         OutputParser(family="gpt")
     with pytest.raises(ValueError, match="unknown tool-call family"):
         parse_output("x", family="")
-    assert set(FAMILIES) == {"hermes", "qwen3_coder", "llama3", "mistral"}
+    assert set(FAMILIES) == {
+        "hermes",
+        "qwen3_coder",
+        "llama3",
+        "mistral",
+        "harmony",
+        "glm45",
+        "deepseek_v3",
+        "kimi_k2",
+        "gemma4",
+        "minimax_m2",
+        "pythonic",
+    }
     p = OutputParser(family="llama3", reasoning=True)
     assert (p.family, p.reasoning, p.starts_in_reasoning) == ("llama3", True, False)
 

@@ -39,6 +39,11 @@ __all__ = [  # noqa: RUF022  (grouped by section)
 #: Tool-call family names accepted by ``family=``.
 FAMILIES: list[str]
 
+#: ``tool_schemas=``: tool name -> its parameters' JSON Schema, a list of
+#: tools (``{"name", "parameters" | "input_schema"}``, or OpenAI's
+#: ``{"type": "function", "function": {...}}``), or that as JSON text.
+_ToolSchemas: TypeAlias = str | dict[str, Any] | Sequence[Any] | None
+
 @final
 class Segment:
     """One piece of parsed model output."""
@@ -88,6 +93,8 @@ class OutputParser:
         family: str | None = None,
         reasoning: bool = False,
         starts_in_reasoning: bool = False,
+        *,
+        tool_schemas: _ToolSchemas = None,
     ) -> OutputParser: ...
     @property
     def family(self) -> str | None: ...
@@ -108,6 +115,8 @@ class TextPipeline:
         family: str | None = None,
         reasoning: bool = False,
         starts_in_reasoning: bool = False,
+        *,
+        tool_schemas: _ToolSchemas = None,
     ) -> TextPipeline: ...
     @property
     def stops(self) -> list[str]: ...
@@ -125,6 +134,8 @@ def parse_output(
     family: str | None = None,
     reasoning: bool = False,
     starts_in_reasoning: bool = False,
+    *,
+    tool_schemas: _ToolSchemas = None,
 ) -> list[Segment]: ...
 def coalesce(segments: Sequence[Segment]) -> list[Segment]: ...
 

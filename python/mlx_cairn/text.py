@@ -35,8 +35,20 @@ Semantics in brief (see the class docstrings for details):
   match is returned.
 - Families (:data:`FAMILIES`): ``hermes`` (``<tool_call>{json}</tool_call>``),
   ``qwen3_coder`` (``<tool_call><function=..><parameter=..>``), ``llama3``
-  (``<|python_tag|>`` and bare JSON replies), ``mistral`` (``[TOOL_CALLS]``);
-  ``None`` parses no tool calls (use it when the request has no tools).
+  (``<|python_tag|>`` and bare JSON replies), ``mistral`` (``[TOOL_CALLS]``),
+  ``harmony`` (gpt-oss: ``analysis`` channel -> reasoning, ``to=functions.NAME``
+  messages -> calls, other channels -> text), ``glm45``
+  (``<tool_call>NAME<arg_key>..</arg_key><arg_value>..</arg_value>``),
+  ``deepseek_v3`` (V3 and V3.1 ``<｜tool▁calls▁begin｜>``), ``kimi_k2``
+  (``<|tool_calls_section_begin|>``), ``gemma4`` (``<|channel>`` reasoning,
+  ``<|tool_call>call:NAME{..}<tool_call|>``), ``minimax_m2``
+  (``<minimax:tool_call><invoke name=..>``) and ``pythonic``
+  (``[f(a=1), g()]``, Llama 3.2 / 4); ``None`` parses no tool calls (use it
+  when the request has no tools).
+- ``tool_schemas=`` (the request's tools, ``{name: parameters schema}``)
+  decides, for the formats whose argument values are raw text (``glm45``,
+  ``minimax_m2``), which values stay strings; without it a value that
+  parses as JSON is JSON.
 - ``reasoning=True`` splits ``<think>..</think>`` into reasoning segments;
   ``starts_in_reasoning=True`` is for templates that open ``<think>`` in the
   prompt. End-of-turn markers (``<|im_end|>``, ``<|eot_id|>``, ...) are
@@ -48,7 +60,8 @@ Semantics in brief (see the class docstrings for details):
 
 from __future__ import annotations
 
-from typing import Literal
+from collections.abc import Iterable
+from typing import Any, Literal
 
 from mlx_cairn._core import (
     FAMILIES,
@@ -61,11 +74,68 @@ from mlx_cairn._core import (
 )
 
 #: The tool-call family names accepted by ``family=``.
-Family = Literal["hermes", "qwen3_coder", "llama3", "mistral"]
+Family = Literal[
+    "hermes",
+    "qwen3_coder",
+    "llama3",
+    "mistral",
+    "harmony",
+    "glm45",
+    "deepseek_v3",
+    "kimi_k2",
+    "gemma4",
+    "minimax_m2",
+    "pythonic",
+]
 SegmentKind = Literal["text", "reasoning", "tool_call"]
+
+#: Families whose tags are special tokens of their tokenizers (gpt-oss's
+#: ``<|channel|>``, Gemma 4's ``<|tool_call>``, Kimi's sections, ...): their
+#: output must be decoded with special tokens kept, or the parser never sees
+#: the structure. Markers the parser does not know stay dropped by it.
+SPECIAL_TOKEN_FAMILIES: frozenset[str] = frozenset(
+    {"harmony", "glm45", "deepseek_v3", "kimi_k2", "gemma4", "minimax_m2", "pythonic"}
+)
+
+#: Families whose replies are structured even without tools (gpt-oss writes
+#: every answer in channels, Gemma 4 reasons in ``<|channel>``): they are
+#: parsed whether or not the request offers tools.
+STRUCTURAL_FAMILIES: frozenset[str] = frozenset({"harmony", "gemma4"})
+
+
+def keeps_special_tokens(family: str | None) -> bool:
+    """Whether output for ``family`` must be decoded with special tokens kept."""
+    return family in SPECIAL_TOKEN_FAMILIES
+
+
+def output_family(family: str | None, tools_on: bool) -> str | None:
+    """The parser family for one request: the model's, unless it offers no
+    tools and the family is not :data:`STRUCTURAL_FAMILIES`.
+
+    >>> output_family("hermes", False), output_family("harmony", False)
+    (None, 'harmony')
+    """
+    return family if tools_on or family in STRUCTURAL_FAMILIES else None
+
+
+#: Families whose argument values are raw text, typed by the tools' schemas.
+SCHEMA_FAMILIES: frozenset[str] = frozenset({"glm45", "minimax_m2"})
+
+
+def tool_schemas(family: str | None, tools: Iterable[Any]) -> dict[str, Any] | None:
+    """``tool_schemas=`` for a request's tools (objects with ``name`` and
+    ``parameters``): ``{name: parameters schema}``, or None when ``family``
+    does not read them (:data:`SCHEMA_FAMILIES`)."""
+    if family not in SCHEMA_FAMILIES:
+        return None
+    return {t.name: t.parameters for t in tools}
+
 
 __all__ = [
     "FAMILIES",
+    "SCHEMA_FAMILIES",
+    "SPECIAL_TOKEN_FAMILIES",
+    "STRUCTURAL_FAMILIES",
     "Family",
     "OutputParser",
     "Segment",
@@ -73,5 +143,8 @@ __all__ = [
     "StopScanner",
     "TextPipeline",
     "coalesce",
+    "keeps_special_tokens",
+    "output_family",
     "parse_output",
+    "tool_schemas",
 ]

@@ -4,7 +4,7 @@
 //! Errors become `ValueError`. The GIL is released only for inputs of at
 //! least [`DETACH_BYTES`]: per-token chunks are a few bytes, where handing
 //! the GIL over would cost more than the scan itself.
-use cairn_text::{self as core, Family, TextError};
+use cairn_text::{self as core, Family, TextError, ToolSchemas};
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 use pyo3::types::{PyList, PyString};
@@ -19,6 +19,20 @@ fn value_error(e: TextError) -> PyErr {
 fn parse_family(name: Option<&str>) -> PyResult<Option<Family>> {
     name.map(|n| n.parse::<Family>().map_err(value_error))
         .transpose()
+}
+
+/// `tool_schemas=`: JSON text, or a mapping / list that `json.dumps` writes.
+fn parse_schemas(obj: Option<&Bound<'_, PyAny>>) -> PyResult<Option<ToolSchemas>> {
+    let Some(obj) = obj.filter(|o| !o.is_none()) else {
+        return Ok(None);
+    };
+    let text: String = if let Ok(s) = obj.cast::<PyString>() {
+        s.to_str()?.to_owned()
+    } else {
+        let json = obj.py().import("json")?;
+        json.call_method1("dumps", (obj,))?.extract()?
+    };
+    ToolSchemas::from_json(&text).map(Some).map_err(value_error)
 }
 
 fn py_repr(py: Python<'_>, s: &str) -> PyResult<String> {
@@ -215,10 +229,19 @@ pub struct PyOutputParser {
 #[pymethods]
 impl PyOutputParser {
     #[new]
-    #[pyo3(signature = (family = None, reasoning = false, starts_in_reasoning = false))]
-    fn new(family: Option<&str>, reasoning: bool, starts_in_reasoning: bool) -> PyResult<Self> {
-        let inner = core::OutputParser::new(parse_family(family)?, reasoning, starts_in_reasoning)
-            .map_err(value_error)?;
+    #[pyo3(signature = (family = None, reasoning = false, starts_in_reasoning = false, *, tool_schemas = None))]
+    fn new(
+        family: Option<&str>,
+        reasoning: bool,
+        starts_in_reasoning: bool,
+        tool_schemas: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<Self> {
+        let mut inner =
+            core::OutputParser::new(parse_family(family)?, reasoning, starts_in_reasoning)
+                .map_err(value_error)?;
+        if let Some(s) = parse_schemas(tool_schemas)? {
+            inner.set_tool_schemas(s);
+        }
         Ok(PyOutputParser { inner })
     }
 
@@ -267,21 +290,25 @@ pub struct PyTextPipeline {
 #[pymethods]
 impl PyTextPipeline {
     #[new]
-    #[pyo3(signature = (stops, family = None, reasoning = false, starts_in_reasoning = false))]
+    #[pyo3(signature = (stops, family = None, reasoning = false, starts_in_reasoning = false, *, tool_schemas = None))]
     fn new(
         py: Python<'_>,
         stops: Vec<String>,
         family: Option<&str>,
         reasoning: bool,
         starts_in_reasoning: bool,
+        tool_schemas: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<Self> {
-        let inner = core::TextPipeline::new(
+        let mut inner = core::TextPipeline::new(
             &stops,
             parse_family(family)?,
             reasoning,
             starts_in_reasoning,
         )
         .map_err(value_error)?;
+        if let Some(s) = parse_schemas(tool_schemas)? {
+            inner.set_tool_schemas(s);
+        }
         Ok(PyTextPipeline {
             inner,
             stops: stop_objs(py, &stops),
@@ -335,16 +362,26 @@ impl PyTextPipeline {
 
 /// One-shot output parsing; equals the coalesced streamed result.
 #[pyfunction]
-#[pyo3(signature = (text, family = None, reasoning = false, starts_in_reasoning = false))]
+#[pyo3(signature = (text, family = None, reasoning = false, starts_in_reasoning = false, *, tool_schemas = None))]
 fn parse_output(
     py: Python<'_>,
     text: &str,
     family: Option<&str>,
     reasoning: bool,
     starts_in_reasoning: bool,
+    tool_schemas: Option<&Bound<'_, PyAny>>,
 ) -> PyResult<Vec<PySegment>> {
     let f = parse_family(family)?;
-    let run = || core::parse_output(text, f, reasoning, starts_in_reasoning);
+    let schemas = parse_schemas(tool_schemas)?;
+    let run = || -> Result<Vec<core::Segment>, TextError> {
+        let mut p = core::OutputParser::new(f, reasoning, starts_in_reasoning)?;
+        if let Some(s) = schemas {
+            p.set_tool_schemas(s);
+        }
+        let mut segs = p.push(text);
+        p.flush_into(&mut segs);
+        Ok(segs)
+    };
     let segs = if text.len() >= DETACH_BYTES {
         py.detach(run)
     } else {
