@@ -16,7 +16,7 @@ import secrets
 from typing import Any
 
 from mlx_cairn.engine.sequence import PreparedRequest
-from mlx_cairn.text import TextPipeline
+from mlx_cairn.text import TextPipeline, keeps_special_tokens, tool_schemas
 from mlx_cairn.types import Event, ReasoningDelta, TextDelta, ToolCall
 
 
@@ -24,12 +24,16 @@ class SequenceOutput:
     """Detokenizes one sequence's tokens and turns the text into Events."""
 
     def __init__(self, tokenizer: Any, prepared: PreparedRequest) -> None:
-        self._detok = tokenizer.detokenizer()
+        family = prepared.parser_family
+        # Families whose tags are special tokens need them in the text.
+        keep = keeps_special_tokens(family)
+        self._detok = tokenizer.detokenizer(skip_special_tokens=not keep)
         self._pipeline = TextPipeline(
             list(prepared.request.stop),
-            family=prepared.parser_family,
+            family=family,
             reasoning=prepared.reasoning,
             starts_in_reasoning=prepared.in_reasoning and prepared.reasoning,
+            tool_schemas=tool_schemas(family, prepared.request.tools),
         )
         self.saw_tool_call = False
 
