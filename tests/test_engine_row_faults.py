@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import pytest
 
 from mlx_cairn.engine import Engine
+from mlx_cairn.engine.scheduler import StepPlan
 from mlx_cairn.engine.testing import assert_at_rest
 from mlx_cairn.types import ChatRequest, Done, Error, Message, SamplingParams, TextDelta
 from scripted_model import say, scripted_model
@@ -116,6 +118,38 @@ def test_a_failed_read_back_never_leaves_a_request_stuck() -> None:
         assert ids["second"] == -1  # the fault did fire
         after = list(engine.generate_sync(req("after the fault"), timeout=TIMEOUT))
         assert text_of(after) == "after the fault"
+        assert_at_rest(engine)
+    finally:
+        engine.close()
+
+
+def test_a_plan_that_cannot_progress_waits_instead_of_spinning() -> None:
+    """Queued work that no rule can plan or end: the loop sleeps until an event
+    (here a cancel) instead of planning again and again."""
+    engine = Engine(scripted_model(), num_blocks=256, block_size=8)
+    sched = engine._scheduler
+    real = sched.schedule
+    calls = {"n": 0}
+
+    def schedule(check=None):
+        calls["n"] += 1
+        return StepPlan()  # nothing can run
+
+    try:
+        sched.schedule = schedule  # type: ignore[method-assign]
+        engine._update.unstick = lambda: None  # type: ignore[method-assign]
+        stream = engine.submit(req("never planned"))
+        deadline = time.monotonic() + TIMEOUT
+        while calls["n"] < 1 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        time.sleep(0.3)
+        assert calls["n"] <= 2, f"the engine planned {calls['n']} times with nothing to run"
+        stream.cancel()
+        assert isinstance(list(stream.iter_sync(TIMEOUT))[-1], Error)
+        sched.schedule = real  # type: ignore[method-assign]
+        assert (
+            text_of(list(engine.generate_sync(req("runs again"), timeout=TIMEOUT))) == "runs again"
+        )
         assert_at_rest(engine)
     finally:
         engine.close()

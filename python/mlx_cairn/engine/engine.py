@@ -157,6 +157,7 @@ class Engine:
             lambda: (m := left_queue()) is not None and m(),
         )
         self._inflight: StepOutput | None = None  # launched, not read back yet
+        self._stalled = False  # the last step could plan nothing: wait for an event
         self._stats = EngineStats()
         self._snapshot_stats()
         self._thread = threading.Thread(target=self._loop, name="mlx-cairn-engine", daemon=True)
@@ -272,14 +273,18 @@ class Engine:
     def _serve_once(self) -> bool:
         """Wait for work, apply arrivals and cancels, run one step. False once closed."""
         with self._lock:
+            # A step that could plan nothing (and has nothing in flight) changes
+            # nothing by running again: only an arrival, a cancel or close can.
             while not (
                 self._inbox
                 or self._cancels
                 or self._closing
-                or self._inflight is not None
-                or self._scheduler.has_work()
+                or (
+                    not self._stalled and (self._inflight is not None or self._scheduler.has_work())
+                )
             ):
                 self._lock.wait()
+            self._stalled = False
             inbox, self._inbox = self._inbox, []
             cancels, self._cancels = self._cancels, set()
             closing = self._closing
@@ -326,6 +331,9 @@ class Engine:
                     up.launched(launched)
         elif self._inflight is None:
             up.unstick()
+            self._stalled = self._scheduler.has_work()
+            if self._stalled:
+                log.warning("no request can run now; waiting for an arrival or a cancel")
         previous, self._inflight = self._inflight, launched
         if previous is not None:
             self._apply(previous)
