@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 from pathlib import Path
 from typing import Any
@@ -28,6 +29,7 @@ from mlx_cairn.types import (
     ReasoningDelta,
     TextDelta,
     Timings,
+    TokenLogprob,
     ToolCall,
     Usage,
 )
@@ -407,6 +409,22 @@ def test_sdk_accumulated_stream_equals_fold(events: list[Any], show: bool, reaso
     folded["usage"].pop("timings")  # only in the final usage, which the SDK copies by field
     assert streamed.pop("stop_details", None) is None
     assert streamed == folded
+
+
+@given(st.lists(event_st, max_size=10), st.lists(st.booleans(), max_size=14), st.booleans())
+def test_token_logprobs_change_no_frame(events: list[Any], marks: list[bool], show: bool) -> None:
+    """The Messages API has no logprobs: TokenLogprob events, wherever they come
+    (even before Admitted), leave every frame as it was."""
+    evs = [dataclasses.replace(e, id="toolu_x") if isinstance(e, ToolCall) else e for e in events]
+    plain = [Admitted(7, 2), *evs, DONE]
+    mixed: list[Any] = []
+    for i, ev in enumerate(plain):
+        if i < len(marks) and marks[i]:
+            mixed.append(TokenLogprob("t", 5, -0.25, (0x74,)))
+        mixed.append(ev)
+    if marks and marks[-1]:
+        mixed.insert(-1, TokenLogprob("<eos>", 6, -0.01))
+    assert run(codec(show_thinking=show), mixed) == run(codec(show_thinking=show), plain)
 
 
 def test_unserializable_tool_arguments_come_back_as_text() -> None:

@@ -1,14 +1,17 @@
 """The OpenAI encoders without a server: folds, SDK accumulation, wire invariants, mapping.
 
 For random Event streams (text with whitespace, reasoning, tool calls with
-good and bad arguments, every stop reason), the chunks / events each codec
-emits are folded by our fold AND accumulated by the ``openai`` SDK's own
-stream state; the two must agree, and the stream must obey the wire rules.
+good and bad arguments, token logprobs, every stop reason), the chunks /
+events each codec emits are folded by our fold AND accumulated by the
+``openai`` SDK's own stream state; the two must agree, and the stream must
+obey the wire rules.
 """
 
 from __future__ import annotations
 
+import itertools
 import json
+import math
 from typing import Any
 
 import openai
@@ -27,7 +30,18 @@ from mlx_cairn.protocol.openai_chat import ChatCodec, parse_chat_request
 from mlx_cairn.protocol.openai_common import TextGate
 from mlx_cairn.protocol.openai_responses import ResponseNotFound, parse_responses_request
 from mlx_cairn.protocol.openai_responses_stream import ResponsesCodec
-from mlx_cairn.types import Done, Error, Event, Message, ReasoningDelta, TextDelta, ToolCall, Usage
+from mlx_cairn.types import (
+    Done,
+    Error,
+    Event,
+    Message,
+    ReasoningDelta,
+    TextDelta,
+    TokenLogprob,
+    ToolCall,
+    TopLogprob,
+    Usage,
+)
 from test_openai_support import normalize
 
 texts = st.text(alphabet=st.sampled_from(list('ab \n{}"é😀')), max_size=6)
@@ -37,8 +51,22 @@ tool_calls = st.builds(
     name=st.sampled_from(["f", "get_weather"]),
     arguments=st.sampled_from(['{"a": 1}', "{}", '{"s": "b\\n"}', "[1]", "not json"]),
 )
+logprobs_st = st.floats(max_value=1e-6) | st.just(-math.inf) | st.just(math.nan)
+token_logprobs = st.builds(
+    lambda tok, lp, raw, top: TokenLogprob(tok, 3, lp, raw, tuple(top)),
+    texts,
+    logprobs_st,
+    st.sampled_from([(), (0xE2,), (0x61, 0x62)]),
+    st.lists(st.builds(TopLogprob, texts, st.just(4), logprobs_st), max_size=3),
+)
 events = st.lists(
-    st.one_of(st.builds(TextDelta, texts), st.builds(ReasoningDelta, texts), tool_calls),
+    st.one_of(
+        st.builds(TextDelta, texts),
+        st.builds(ReasoningDelta, texts),
+        tool_calls,
+        token_logprobs,
+        token_logprobs,
+    ),
     max_size=12,
 )
 dones = st.builds(
@@ -58,9 +86,27 @@ def run(codec: Any, evs: list[Event]) -> list[Any]:
 # ------------------------------------------------------------------ chat
 
 
-@given(evs=events, done=dones, allow_tools=st.booleans())
-def test_chat_fold_equals_sdk_accumulation(evs: list[Event], done: Done, allow_tools: bool) -> None:
-    codec = ChatCodec(model="m", input_tokens=7, include_usage=True, allow_tools=allow_tools)
+def check_logprob_entries(entries: list[Any], evs: list[Event]) -> None:
+    """Entries are some of the TokenLogprobs, in order, each in the wire's bounds."""
+    sent = [e for e in evs if isinstance(e, TokenLogprob)]
+    pos = 0
+    for entry in entries:
+        while sent[pos].token != entry["token"]:  # IndexError: not a subsequence
+            pos += 1
+        pos += 1
+        for lp in [entry["logprob"]] + [t["logprob"] for t in entry["top_logprobs"]]:
+            assert -9999.0 <= lp <= 0.0
+        tops = [t["logprob"] for t in entry["top_logprobs"]]
+        assert tops == sorted(tops, reverse=True)
+
+
+@given(evs=events, done=dones, allow_tools=st.booleans(), logprobs=st.booleans())
+def test_chat_fold_equals_sdk_accumulation(
+    evs: list[Event], done: Done, allow_tools: bool, logprobs: bool
+) -> None:
+    codec = ChatCodec(
+        model="m", input_tokens=7, include_usage=True, allow_tools=allow_tools, logprobs=logprobs
+    )
     wire = run(codec, [*evs, done])
     body = codec.fold(wire)
 
@@ -115,6 +161,38 @@ def test_chat_fold_equals_sdk_accumulation(evs: list[Event], done: Done, allow_t
     if not good and not any(isinstance(e, ToolCall) for e in evs):
         visible = "".join(e.text for e in evs if isinstance(e, TextDelta))
         assert (msg["content"] or "").strip() == visible.strip()
+
+    # Logprobs: an object exactly when asked, on text chunks only (and on the
+    # finish chunk when none did), entries from the events in order.
+    lp = body["choices"][0]["logprobs"]
+    if not logprobs:
+        assert lp is None
+        assert all(c["choices"][0]["logprobs"] is None for c in chunks[:-1])
+        return
+    assert set(lp) == {"content", "refusal"} and lp["refusal"] is None
+    check_logprob_entries(lp["content"], evs)
+    for c in chunks[:-1]:
+        ch = c["choices"][0]
+        if ch["delta"].get("content"):
+            assert ch["logprobs"] is not None
+        elif not ch["finish_reason"]:
+            assert ch["logprobs"] is None
+    if not any(isinstance(e, (ReasoningDelta, ToolCall)) for e in evs):
+        # Text only: a token whose text came right after it in a delta that was
+        # sent (visible text by then) and ends with its bytes is always in.
+        must, seen = [], ""
+        for ev, nxt in itertools.pairwise(evs):
+            if isinstance(ev, TextDelta):
+                seen += ev.text
+            if not (isinstance(ev, TokenLogprob) and isinstance(nxt, TextDelta) and nxt.text):
+                continue
+            raw = bytes(ev.token_bytes) or ev.token.encode()
+            if (seen + nxt.text).strip() and nxt.text.encode().endswith(raw):
+                must.append(ev.token)
+        got = iter(e["token"] for e in lp["content"])
+        assert all(tok in got for tok in must), (must, lp["content"])  # a subsequence
+        if not (msg["content"] or "").strip():
+            assert lp["content"] == []
 
 
 def test_chat_error_chunk_and_no_done() -> None:
@@ -176,6 +254,16 @@ def test_responses_fold_equals_terminal_and_sdk(
     )
     for _, p in wire:
         state.handle_event(_EVENT.validate_python(p))
+    # Logprobs: a message's deltas carry exactly what its final part lists.
+    deltas: dict[str, list[Any]] = {}
+    for name, p in wire:
+        if name == "response.output_text.delta":
+            deltas.setdefault(p["item_id"], []).extend(p["logprobs"])
+    for item in body["output"]:
+        if item["type"] == "message":
+            part_lps = item["content"][0]["logprobs"]
+            assert deltas.get(item["id"], []) == part_lps
+            check_logprob_entries(part_lps, evs)
     if done.stop_reason != "max_tokens":
         sdk = state._completed_response
         assert sdk is not None

@@ -119,9 +119,9 @@ def parse_chat_request(body: Any, *, max_tokens_limit: int) -> OpenAIChatRequest
     sampling = read_sampling(body, max_temperature=2.0)
     sampling.logprobs = opt_bool(body, "logprobs", False)
     k = top_logprobs(body)
-    if k is not None:
-        if not sampling.logprobs:
-            raise fail("top_logprobs", "is only allowed when logprobs is true")
+    if k and not sampling.logprobs:  # as OpenAI; 0 asks for nothing, so it passes
+        raise fail("top_logprobs", "is only allowed when logprobs is true")
+    if sampling.logprobs and k is not None:
         sampling.top_logprobs = k
 
     tools = _map_tools(body.get("tools"))
