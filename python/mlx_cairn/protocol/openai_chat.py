@@ -349,7 +349,9 @@ class ChatCodec:
                 out.append(self._delta({"content": ""}))
             finish = _FINISH.get(ev.stop_reason, "tool_calls" if self._calls else "stop")
             self._lp.drop()
-            empty = [] if self.logprobs and not self._lp_sent else None
+            # Asked, but no text chunk carried any: the completion still gets
+            # its (empty) logprobs object, in both modes.
+            empty: list[dict[str, Any]] | None = [] if self.logprobs and not self._lp_sent else None
             out.append(self._delta({}, finish, empty))
             if self.include_usage:
                 out.append(self._chunk([], usage=self._usage(ev)))
