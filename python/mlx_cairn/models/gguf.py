@@ -223,11 +223,11 @@ def read_gguf(
             continue
         hf = gguf_arch.hf_name(names, info.name)
         arrays, q = decode_tensor(data, info, keep_quantized=keep_quantized, dtype=dtype)
-        for base, parts in gguf_arch.to_hf(spec, config, hf, arrays, qk_order=qk_order).items():
-            for k, v in parts.items():
-                weights[f"{base}.{k}"] = v
-            if q is not None:
-                quantization[base] = q
+        base, parts = gguf_arch.to_hf(spec, config, hf, arrays, qk_order=qk_order)
+        for k, v in parts.items():
+            weights[f"{base}.{k}"] = v
+        if q is not None:
+            quantization[base] = q
     if "model.embed_tokens.weight" not in weights:
         raise ModelLoadError("GGUF file has no token_embd.weight")
     if quantization:

@@ -20,7 +20,8 @@ What llama.cpp changes on conversion and we undo (:func:`to_hf`):
   sets ``rope_traditional``, which our Llama model and mlx-lm's read);
 - Gemma's RMSNorm weights are stored as ``1 + w``;
 - MoE experts are stacked into one ``[experts, out, in]`` tensor per
-  projection; HF names one matrix per expert.
+  projection; HF names one matrix per expert, mlx-lm keeps the stack
+  (``mlp.switch_mlp.*``, as in MLX-quantized checkpoints), and so do we.
 
 Metadata llama.cpp does not store but hard-codes per architecture (Gemma 3's
 sliding-window pattern and local RoPE base, Qwen3-MoE's top-k normalisation)
@@ -304,12 +305,12 @@ def to_hf(
     arrays: dict[str, Any],
     *,
     qk_order: str,
-) -> dict[str, dict[str, Any]]:
-    """Undo llama.cpp's conversion for one tensor: HF base name -> {"weight"/"scales"/...: array}.
+) -> tuple[str, dict[str, Any]]:
+    """Undo llama.cpp's conversion of one tensor: (module name, {"weight"/"bias"/"scales"/...: array}).
 
     ``name`` is the tensor's HF parameter name; ``arrays`` is its dense
-    ``{"weight": w}`` (or ``{"bias": b}``) or affine ``{"weight", "scales",
-    "biases"}`` form, numpy or mx arrays with rows on axis 0 (1 for experts).
+    ``{"weight": w}`` or affine ``{"weight", "scales", "biases"}`` form
+    (numpy or mx arrays, rows on axis 0); a bias comes back as ``{"bias": b}``.
     """
     base, _, suffix = name.rpartition(".")
     if suffix == "bias":
@@ -327,13 +328,12 @@ def to_hf(
         arrays = {k: _rows(v, lambda a, h=heads: unpermute_qk(a, h)) for k, v in arrays.items()}
     if spec.norm_shift and suffix == "weight" and base.endswith("norm") and "scales" not in arrays:
         arrays = {"weight": arrays["weight"] - spec.norm_shift}
-    m = re.fullmatch(r"(.*\.mlp\.experts)\.(\w+)", base)
-    if m and arrays["weight" if "weight" in arrays else "bias"].ndim == 3:
-        n = arrays["weight" if "weight" in arrays else "bias"].shape[0]
-        return {
-            f"{m.group(1)}.{e}.{m.group(2)}": {k: v[e] for k, v in arrays.items()} for e in range(n)
-        }
-    return {base: arrays}
+    if re.search(r"\.mlp\.experts\.\w+$", base) and arrays[next(iter(arrays))].ndim == 3:
+        # Stacked experts keep their [experts, out, in] stack under mlx-lm's SwitchGLU name,
+        # the layout of MLX-quantized checkpoints: mlx-lm's MoE classes load it as it is
+        # (their sanitize re-stacks per-expert HF matrices, but only dense ".weight"s).
+        base = base.replace(".mlp.experts.", ".mlp.switch_mlp.")
+    return base, arrays
 
 
 def _rows(a: Any, f: Callable[[np.ndarray], np.ndarray]) -> Any:
