@@ -128,7 +128,7 @@ def detect_reasoning(template_source: str, vocab: set[str] | None = None) -> Rea
     del vocab
     if "<|channel|>" in template_source:
         return HARMONY_REASONING
-    if "<|channel>" in template_source:
+    if "<|channel>" in template_source or "<|think|>" in template_source:
         return GEMMA4_REASONING
     if "<think>" not in template_source and "</think>" not in template_source:
         return ReasoningInfo()
