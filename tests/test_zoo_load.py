@@ -174,3 +174,27 @@ def test_an_architecture_whose_call_is_not_head_of_backbone_runs_whole():
     x = mx.array([[5, 6, 7]], dtype=mx.int32)
     out = zm.logits(zm(x, ContiguousKVCache(zm.num_layers))[:, -1, :])
     assert mx.allclose(out, 2.0 * lm.model.inner(x)[:, -1, :], atol=1e-5).item()
+
+
+@pytest.mark.parametrize("model_type", ["qwen3_moe", "gemma3_text", "granite"])
+def test_cpu_layout_keeps_the_tokens_and_exports_back(tmp_path, monkeypatch, model_type):
+    from mlx_lm.utils import load_model
+
+    from mlx_cairn.models.cpu_layout import BlockedLinear, BlockedTiedEmbedding
+
+    folder = save_folder(tiny_zoo_model(model_type, seed=8), tmp_path / "a")
+    monkeypatch.setenv("CAIRN_CPU_LAYOUT", "1")  # force the blocked layout (measured by default)
+    lm = load(str(folder))
+    kinds = {type(m) for _, m in lm.model.named_modules()}
+    assert BlockedLinear in kinds
+    tied = bool(lm.model.config.get("tie_word_embeddings"))
+    assert (BlockedTiedEmbedding in kinds) == tied
+    ref, _ = load_model(folder)
+    got, ids = engine_tokens(lm, TEXTS)
+    for t in TEXTS:
+        assert got[t] == mlx_lm_greedy(ref, ids[t], 8, lm.eos_token_ids)
+    # Saved again, the folder has the usual names and loads in mlx-lm as it is.
+    again = save_folder(lm, tmp_path / "b")
+    ref2, _ = load_model(again)
+    prompt = mx.array([ids[TEXTS[1]]], dtype=mx.int32)
+    assert mx.allclose(ref(prompt), ref2(prompt), atol=1e-5).item()

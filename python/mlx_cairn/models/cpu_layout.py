@@ -69,15 +69,15 @@ def _matvec_seconds(
     weights: list[mx.array], blocked: list[BlockedLinear] | None, reps: int
 ) -> float:
     """Best wall time of one-token products over all ``weights`` (streamed from memory, not cache)."""
-    x = mx.ones((1, weights[0].shape[1]), dtype=mx.float32)
-    mx.eval(x)
+    xs = {d: mx.ones((1, d), dtype=mx.float32) for d in {w.shape[1] for w in weights}}
+    mx.eval(list(xs.values()))
     best = float("inf")
     for _ in range(reps):
         t = time.perf_counter()
         if blocked is None:
-            mx.eval([x @ w.T for w in weights])
+            mx.eval([xs[w.shape[1]] @ w.T for w in weights])
         else:
-            mx.eval([b(x) for b in blocked])
+            mx.eval([b(xs[w.shape[1]]) for b, w in zip(blocked, weights, strict=True)])
         best = min(best, time.perf_counter() - t)
     return best
 
@@ -154,6 +154,84 @@ def hf_parameters(model: nn.Module) -> dict[str, mx.array]:
                 if model.args.tie_word_embeddings:
                     continue
                 name = "lm_head"
+            out[f"{name}.weight"] = mod.weight
+            if "bias" in mod:
+                out[f"{name}.bias"] = mod.bias
+    return out
+
+
+class BlockedTiedEmbedding(nn.Module):
+    """A tied embedding whose ``as_linear`` (the LM head) runs on blocked transposed copies.
+
+    Lookups read ``weight`` as ``nn.Embedding`` does; mlx-lm's heads call
+    ``embed_tokens.as_linear(h)`` for tied models, so the head's layout changes
+    without touching the architecture code.
+    """
+
+    def __init__(self, weight: mx.array) -> None:
+        super().__init__()
+        self.weight = weight
+        self.head = BlockedLinear(weight)
+
+    def __call__(self, x: mx.array) -> mx.array:
+        return self.weight[x]
+
+    def as_linear(self, x: mx.array) -> mx.array:
+        return self.head(x)
+
+
+def apply_cpu_layout_generic(model: nn.Module, how: str | None = None) -> int:
+    """:func:`apply_cpu_layout` for any mlx-lm model: the wide dense fp32 linears of its
+    ``layers`` and its LM head (``lm_head``, or a tied ``embed_tokens``), where they
+    measure faster. Returns the number of modules changed."""
+    from mlx.utils import tree_unflatten
+
+    how = how or mode()
+    if how == "off":
+        return 0
+    wide: list[tuple[nn.Module, str, nn.Linear]] = []
+    for layer in getattr(model, "layers", None) or []:
+        for path, child in layer.named_modules():
+            if type(child) is nn.Linear and child.weight.dtype == mx.float32:
+                out_dim, in_dim = child.weight.shape
+                if out_dim > in_dim:
+                    wide.append((layer, path, child))
+    changed = 0
+    if wide:
+        blocked = [BlockedLinear(c.weight, c.bias if "bias" in c else None) for _, _, c in wide]
+        mx.eval([b.parameters() for b in blocked])
+        if _worth_it([c.weight for _, _, c in wide], blocked, how):
+            for (layer, path, _), b in zip(wide, blocked, strict=True):
+                layer.update_modules(tree_unflatten([(path, b)]))
+            changed += len(wide)
+    head = model.get("lm_head") if isinstance(model, nn.Module) else None
+    backbone = model.get("model")
+    embed = backbone.get("embed_tokens") if isinstance(backbone, nn.Module) else None
+    if type(head) is nn.Linear and head.weight.dtype == mx.float32 and "bias" not in head:
+        blocked_head = BlockedLinear(head.weight)
+        mx.eval(blocked_head.parameters())
+        if _worth_it([head.weight], [blocked_head], how):
+            model.lm_head = blocked_head
+            changed += 1
+    elif head is None and type(embed) is nn.Embedding and embed.weight.dtype == mx.float32:
+        tied = BlockedTiedEmbedding(embed.weight)
+        mx.eval(tied.parameters())
+        if _worth_it([embed.weight], [tied.head], how):
+            backbone.embed_tokens = tied
+            changed += 1
+    return changed
+
+
+def dense_parameters(model: nn.Module) -> dict[str, mx.array]:
+    """An mlx-lm model's parameters under their usual names, whatever layout it runs in."""
+    out: dict[str, mx.array] = {}
+    flat: list[tuple[str, mx.array]] = tree_flatten(model.parameters())  # type: ignore[assignment]
+    for k, v in flat:
+        if ".blocks." in k or k.startswith("blocks.") or ".head.blocks." in k:
+            continue
+        out[k] = v
+    for name, mod in model.named_modules():
+        if isinstance(mod, BlockedLinear) and not name.endswith(".head"):
             out[f"{name}.weight"] = mod.weight
             if "bias" in mod:
                 out[f"{name}.bias"] = mod.bias

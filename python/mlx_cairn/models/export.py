@@ -18,7 +18,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 
-from mlx_cairn.models.cpu_layout import hf_parameters
+from mlx_cairn.models.cpu_layout import dense_parameters, hf_parameters
 from mlx_cairn.models.llama import LlamaModel
 from mlx_cairn.models.loaded import LoadedModel
 from mlx_cairn.models.zoo import ZooModel, build_model
@@ -112,8 +112,7 @@ def _save_zoo(
     """An mlx-lm model's folder, as ``mlx_lm.convert`` writes it (mlx-lm parameter names)."""
     config = dict(model.config)
     config["eos_token_id"] = sorted(lm.eos_token_ids)
-    flat: list[tuple[str, mx.array]] = tree_flatten(model.inner.parameters())  # type: ignore[assignment]
-    weights = dict(flat)
+    weights = dense_parameters(model.inner)
     if dtype is not None:
         weights = {k: v.astype(dtype) for k, v in weights.items()}
     if quantize is not None:
@@ -128,7 +127,7 @@ def _save_zoo(
                 hasattr(m, "to_quantized") and m.weight.shape[-1] % group_size == 0
             ),
         )
-        flat = tree_flatten(copy.parameters())  # type: ignore[assignment]
+        flat: list[tuple[str, mx.array]] = tree_flatten(copy.parameters())  # type: ignore[assignment]
         weights = dict(flat)
         config["quantization"] = {"group_size": group_size, "bits": bits, "mode": "affine"}
     mx.save_safetensors(str(out / "model.safetensors"), weights, metadata={"format": "mlx"})

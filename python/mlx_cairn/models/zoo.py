@@ -450,6 +450,10 @@ def finish(
         dequantize_model(model, compute)
     cast_floats(model, compute)
     mx.eval(model.parameters())
+    if compute == mx.float32 and mx.default_device() == mx.cpu:
+        from mlx_cairn.models.cpu_layout import apply_cpu_layout_generic
+
+        apply_cpu_layout_generic(model)
     return ZooModel(model, config)
 
 
