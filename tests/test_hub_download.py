@@ -231,3 +231,23 @@ def test_a_repo_the_hub_does_not_have_says_why(fake_hub: FakeHub) -> None:
     assert "could not be downloaded" in e.value.message
     assert "RepositoryNotFoundError" in e.value.message
     assert any(p.startswith("/api/models/org/absent") for _, p in fake_hub.requests)
+
+
+def test_the_terminal_bar_shows_and_the_figure_counts_the_same(
+    fake_hub: FakeHub,
+    model_files: dict[str, bytes],
+    monkeypatch: pytest.MonkeyPatch,
+    capfd: pytest.CaptureFixture[str],
+) -> None:
+    """With a terminal (forced here: no TTY under pytest) the Hub's bars draw, and the
+    /health figure is the same as without one: counted once, not per bar."""
+    monkeypatch.setenv("TQDM_POSITION", "-1")  # huggingface_hub: bars on without a TTY
+    fake_hub.release.set()
+    progress = hub.Progress()
+    hub.resolve(REPO, progress=progress)
+    err = capfd.readouterr().err
+    assert "Fetching 5 files" in err and "Download complete" in err
+    fetched = sum(len(b) for n, b in model_files.items() if n != "README.md")
+    snap = progress.snapshot()
+    assert snap["bytes_done"] == snap["bytes_total"] == fetched
+    assert snap["files_done"] == snap["files_total"] == 5 and snap["finished"]
