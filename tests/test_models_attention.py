@@ -6,8 +6,8 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from mlx_cairn.models import llama
-from mlx_cairn.models.llama import _cpu_prefill_attention, _exp2_shifted, attention
+from mlx_cairn.models import cpu_attention
+from mlx_cairn.models.cpu_attention import _cpu_prefill_attention, _exp2_shifted, attention
 
 RTOL = 2e-5
 
@@ -39,7 +39,7 @@ def _ragged_mask(offsets: list[int], lengths: list[int], t: int) -> mx.array:
 @pytest.fixture(params=[2_000_000, 700], ids=["one-chunk", "many-chunks"])
 def chunk(request, monkeypatch):
     """Run each case with the default chunking and with chunks of a few query rows."""
-    monkeypatch.setattr(llama, "_CHUNK_SCORES", request.param)
+    monkeypatch.setattr(cpu_attention, "_CHUNK_SCORES", request.param)
     return request.param
 
 
@@ -122,5 +122,5 @@ def test_exp2_matches_power_fused_and_plain():
     m = mx.zeros((1, 1, 1, 1, 1))
     want = np.exp2(x.astype(np.float64))
     want[x <= -126.0] = 0.0
-    for got in (np.array(llama._exp2(s, m)).ravel(), np.array(_exp2_shifted(s, m)).ravel()):
+    for got in (np.array(cpu_attention._exp2(s, m)).ravel(), np.array(_exp2_shifted(s, m)).ravel()):
         np.testing.assert_allclose(got, want, rtol=1e-6, atol=0)

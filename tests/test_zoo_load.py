@@ -39,12 +39,22 @@ TEXTS = ["Hi", "What is the capital of France? " * 3]
 
 
 @pytest.mark.parametrize("model_type", ["gemma3_text", "qwen3_moe", "deepseek_v3", "gpt_oss"])
-def test_dense_folder_loads_through_mlx_lm_and_matches_it(tmp_path, model_type):
+def test_dense_folder_loads_through_mlx_lm_and_matches_it(tmp_path, monkeypatch, model_type):
+    import sys
+
     from mlx_lm.utils import load_model
 
+    from mlx_cairn.models import cpu_attention
+
+    # Small query chunks, so the CPU prefill attention runs several per prompt.
+    monkeypatch.setattr(cpu_attention, "_CHUNK_SCORES", 64)
     folder = save_folder(tiny_zoo_model(model_type, seed=2), tmp_path / model_type)
     lm = load(str(folder))
     assert isinstance(lm.model, ZooModel)
+    # fp32 on CPU: the architecture's module runs prefill attention in cpu_attention
+    # (the reference below runs mlx-lm's own, cpu_attention.disabled()).
+    arch = sys.modules[type(lm.model.inner).__module__]
+    assert hasattr(arch.scaled_dot_product_attention, "_cairn_original")
     assert lm.model.model_type == model_type and lm.source_format == "hf"
     assert lm.identity.endswith(":float32")
     ref, _ = load_model(folder)  # mlx-lm's own loader on the same folder

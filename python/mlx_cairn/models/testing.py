@@ -173,13 +173,16 @@ def mlx_lm_greedy(inner: Any, prompt: list[int], max_tokens: int, eos: set[int])
     prompt at once, argmax (the reference the engine is compared with; EOS kept)."""
     from mlx_lm.models.cache import make_prompt_cache
 
-    cache = make_prompt_cache(inner)
-    logits = inner(mx.array([prompt], dtype=mx.int32), cache=cache)[:, -1, :]
+    from mlx_cairn.models import cpu_attention
+
     out: list[int] = []
-    while len(out) < max_tokens:
-        tok = int(mx.argmax(logits, axis=-1).item())
-        out.append(tok)
-        if tok in eos:
-            break
-        logits = inner(mx.array([[tok]], dtype=mx.int32), cache=cache)[:, -1, :]
+    with cpu_attention.disabled():  # mlx-lm's own attention, even in patched modules
+        cache = make_prompt_cache(inner)
+        logits = inner(mx.array([prompt], dtype=mx.int32), cache=cache)[:, -1, :]
+        while len(out) < max_tokens:
+            tok = int(mx.argmax(logits, axis=-1).item())
+            out.append(tok)
+            if tok in eos:
+                break
+            logits = inner(mx.array([[tok]], dtype=mx.int32), cache=cache)[:, -1, :]
     return out
