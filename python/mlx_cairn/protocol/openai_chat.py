@@ -38,9 +38,10 @@ text it holds (:class:`~mlx_cairn.protocol.openai_common.LogprobHold` says
 which); other chunks carry ``logprobs: null``, and the finish chunk carries
 ``{"content": [], "refusal": null}`` when no text chunk did, so the completion
 always has a logprobs object when asked. A failure after the first byte is
-one ``{"error": {...}}`` data line and no ``[DONE]``. The JSON response is :func:`fold_chunks` over exactly these
-chunks (the codec always emits the usage chunk in JSON mode), accumulated the
-way the ``openai`` SDK accumulates them.
+one ``{"error": {...}}`` data line and no ``[DONE]``. The JSON response is
+:func:`fold_chunks` over exactly these chunks (the codec always emits the
+usage chunk in JSON mode), accumulated the way the ``openai`` SDK accumulates
+them, logprobs included.
 """
 
 from __future__ import annotations
