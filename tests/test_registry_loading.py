@@ -446,3 +446,65 @@ def test_turns_follow_arrival_and_a_failed_wait_passes_its_turn() -> None:
         assert not reg.models[0]._turns.outstanding()
     finally:
         reg.close()
+
+
+# ------------------------------------------------------------- official SDKs
+
+
+@pytest.mark.parametrize("sdk", ["anthropic", "openai-chat", "openai-responses"])
+def test_the_sdks_stream_through_a_load(sdk: str) -> None:
+    """The SDKs skip the early pings and read the answer (the load is let go only
+    once the stream's head came, so the pings did go out first)."""
+    import anthropic
+    import httpx2
+    import openai
+
+    loader = GatedLoader()
+    headed = threading.Event()
+
+    def on_response(response: Any) -> None:
+        if response.headers.get("content-type", "").startswith("text/event-stream"):
+            headed.set()
+
+    def release_when_headed() -> None:
+        assert headed.wait(WAIT), "the stream never started"
+        loader.gate.set()
+
+    with lazy_server(loader) as (url, _, _):
+        # The anthropic SDK runs on httpx2 (a fork with the same API), openai on httpx.
+        client_class: Any = httpx2.Client if sdk == "anthropic" else httpx.Client
+        http = client_class(event_hooks={"response": [on_response]}, timeout=WAIT * 2)
+        releaser = threading.Thread(target=release_when_headed, daemon=True)
+        releaser.start()
+        text = say("through the load")
+        if sdk == "anthropic":
+            with (
+                anthropic.Anthropic(
+                    base_url=url, api_key="x", max_retries=0, http_client=http
+                ) as client,
+                client.messages.stream(
+                    model="lazy", max_tokens=40, messages=[{"role": "user", "content": text}]
+                ) as s,
+            ):
+                msg = s.get_final_message()
+            got = "".join(b.text for b in msg.content if b.type == "text")
+            assert msg.stop_reason == "end_turn"
+        elif sdk == "openai-chat":
+            with openai.OpenAI(
+                base_url=url + "/v1", api_key="x", max_retries=0, http_client=http
+            ) as client:
+                chunks = client.chat.completions.create(
+                    model="lazy",
+                    max_tokens=40,
+                    stream=True,
+                    messages=[{"role": "user", "content": text}],
+                )
+                got = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+        else:
+            with openai.OpenAI(
+                base_url=url + "/v1", api_key="x", max_retries=0, http_client=http
+            ) as client:
+                events = client.responses.create(model="lazy", input=text, stream=True)
+                got = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+        releaser.join(WAIT)
+        assert headed.is_set() and got == "through the load"
