@@ -281,8 +281,9 @@ class PagedKVCache:
         bs = self.pools.block_size
         full = self._np_tables
         nblk = full.shape[1]
-        start = np.maximum(0, self._np_offs - window + 1) // bs  # [B]
-        width = int((nblk - start).max())
+        start = np.maximum(0, self._np_offs - window + 1) // bs  # [B] first block seen
+        last = (self._np_offs + self._length - 1) // bs  # [B] block of the last (padded) query
+        width = int((last - start).max()) + 1
         if width >= nblk:  # the window spans every block of some row
             view = self._views[None]
         else:
