@@ -14,6 +14,10 @@ SERVE_ARGS ?= --default-model --clamp-max-tokens
 # Seconds per fuzz target: `make fuzz` (long) and the short run inside `make test`.
 FUZZ_SECONDS       ?= 60
 FUZZ_SECONDS_SHORT ?= 10
+# The tool-call format targets (text_format_*, one per family over one shared
+# harness) get this many seconds each; the short run keeps them brief.
+FUZZ_FORMAT_SECONDS       ?= $(FUZZ_SECONDS)
+FUZZ_FORMAT_SECONDS_SHORT ?= 4
 # Hypothesis examples per property test; raise it for a deeper run.
 export CAIRN_HYPOTHESIS_EXAMPLES ?= 100
 # cargo-fuzz needs nightly flags; this lets the stable toolchain accept them.
@@ -55,13 +59,16 @@ test-py: build ## pytest (property tests sized by CAIRN_HYPOTHESIS_EXAMPLES)
 
 fuzz: ## Run every fuzz target for FUZZ_SECONDS each (installs cargo-fuzz if missing)
 	@cargo fuzz --version >/dev/null 2>&1 || cargo install -q cargo-fuzz --locked
+	@# One build for all targets (parallel), then each runs.
+	@cd fuzz && $(FUZZ_ENV) cargo fuzz build
 	@cd fuzz && for t in $$(cargo fuzz list); do \
-	  echo "== fuzz $$t ($(FUZZ_SECONDS)s)"; \
-	  $(FUZZ_ENV) cargo fuzz run $$t -- -max_total_time=$(FUZZ_SECONDS) || exit 1; \
+	  s=$(FUZZ_SECONDS); case $$t in text_format_*) s=$(FUZZ_FORMAT_SECONDS);; esac; \
+	  echo "== fuzz $$t ($${s}s)"; \
+	  $(FUZZ_ENV) cargo fuzz run $$t -- -max_total_time=$$s || exit 1; \
 	done
 
 fuzz-short: ## Every fuzz target for FUZZ_SECONDS_SHORT (part of `make test`)
-	@$(MAKE) --no-print-directory fuzz FUZZ_SECONDS=$(FUZZ_SECONDS_SHORT)
+	@$(MAKE) --no-print-directory fuzz FUZZ_SECONDS=$(FUZZ_SECONDS_SHORT) FUZZ_FORMAT_SECONDS=$(FUZZ_FORMAT_SECONDS_SHORT)
 
 lint: build ## clippy, rustfmt, ruff, mypy.stubtest on _core.pyi
 	cargo clippy --workspace --all-targets -q -- -D warnings
