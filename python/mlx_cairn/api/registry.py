@@ -215,9 +215,11 @@ class ModelLease:
     raises and ``count_tokens`` give it back at once. A lease dropped unused
     gives it back when garbage collected.
 
-    A lease that waited for its model's load carries a turn: ``await
-    lease.turn()`` before ``engine.submit`` keeps arrival order among those
-    waiters (submitting or releasing gives the turn to the next one).
+    A lease from :meth:`ModelRegistry.get` that waited for its model's load
+    (or came while earlier waiters had not submitted yet) carries a turn:
+    ``await lease.turn()`` before ``engine.submit`` keeps arrival order among
+    them (submitting or releasing gives the turn to the next one). Leases from
+    the synchronous :meth:`ModelRegistry.lease` take no turn.
     """
 
     def __init__(
