@@ -146,10 +146,11 @@ def affine_blocks(raw: np.ndarray, qtype: GGMLQuantizationType) -> tuple[np.ndar
         biases = d * np.float16(-128)
     else:
         qs = b[:, 4:] if qtype == Q.Q4_1 else b[:, 2:]
-        even, odd = qs[:, 0::2], qs[:, 1::2]
-        packed = np.concatenate(
-            [(even & 0x0F) | (odd << 4), (even >> 4) | (odd & 0xF0)], axis=1
-        )  # values 0-15 from the low nibbles, then 16-31 from the high ones
+        # Byte pairs as little-endian u16 (even | odd << 8): half the elements per pass.
+        u = np.ascontiguousarray(qs).view(np.uint16)
+        packed = np.empty((b.shape[0], 16), dtype=np.uint8)
+        packed[:, :8] = (u & 0x0F) | ((u >> 4) & 0xF0)  # values 0-15: the low nibbles
+        packed[:, 8:] = ((u >> 4) & 0x0F) | ((u >> 8) & 0xF0)  # values 16-31: the high ones
         biases = b[:, 2:4].copy().view(np.float16) if qtype == Q.Q4_1 else d * np.float16(-8)
     packed = np.ascontiguousarray(packed).reshape(*rows, -1).view(np.uint32)
     return packed, d.reshape(*rows, -1), biases.reshape(*rows, -1)
