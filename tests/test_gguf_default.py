@@ -125,3 +125,29 @@ def test_header_reader_agrees_with_gguf_reader():
             int(b.n_bytes),
         )
         assert a.shape == tuple(int(d) for d in reversed(b.shape))
+
+
+def test_gpu_branch_keeps_the_blocks_quantized_and_answers_the_same():
+    """keep_quantized (the GPU default) on CPU: MLX affine modules straight from the Q4_1 blocks."""
+    import mlx.nn as nn
+
+    from mlx_cairn.models import load
+
+    lm = load(keep_quantized=True)
+    quantized = [
+        n
+        for n, m in lm.model.named_modules()
+        if isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding))
+    ]
+    assert len(quantized) == 30 * 7 + 1  # every projection and the (Q8_0) embedding
+    assert lm.identity.endswith(":float32+q")
+    text = "What is the capital of France?"
+    prompt = lm.prompt(ChatRequest(messages=[Message("user", text)]))
+    ids = generate_tokens(
+        lm.model,
+        prompt.ids,
+        max_tokens=40,
+        sampling=SamplingParams(temperature=0.0),
+        eos_token_ids=lm.eos_token_ids,
+    )
+    assert list(ids) == RECORDED[text]
