@@ -19,10 +19,11 @@ from __future__ import annotations
 import os
 import sys
 from collections.abc import Sequence as Seq
-from dataclasses import dataclass
 
 import mlx.core as mx
 import numpy as np
+
+from mlx_cairn.models.base import LayerSpec
 
 #: Fraction of available memory the default pool may take.
 DEFAULT_MEMORY_FRACTION = 0.25
@@ -96,25 +97,6 @@ def pool_blocks(
             f"{avail / 2**30:.2f} GiB of available memory"
         )
     return want
-
-
-@dataclass(frozen=True)
-class LayerSpec:
-    """What one layer caches per token: the shape of its pools and what it attends to.
-
-    ``kv_heads`` x ``k_dim`` keys and ``kv_heads`` x ``v_dim`` values per token
-    (MLA layers cache a latent: one "head" whose key and value widths differ).
-    ``window``: a sliding-window layer's query sees the last ``window``
-    positions, itself included; None for global attention.
-    """
-
-    kv_heads: int
-    k_dim: int
-    v_dim: int
-    window: int | None = None
-
-    def bytes_per_token(self, itemsize: int) -> int:
-        return self.kv_heads * (self.k_dim + self.v_dim) * itemsize
 
 
 class KVPools:

@@ -26,10 +26,16 @@ callers compute logits only where they need them (the last position)::
 
     h = model(tokens, cache)            # [B, L, hidden]
     logits = model.logits(h[:, -1, :])  # [B, vocab]
+
+mlx-lm architectures (models/zoo.py) instead take one cache object per layer,
+``cache.layer_caches(model)``, each with mlx-lm's cache interface (``offset``,
+``update_and_fetch(k, v)``, ``make_mask(N, window_size=...)``). The engine
+sizes its pools from ``model.layer_specs`` (:class:`LayerSpec` per layer).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal, Protocol
 
 if TYPE_CHECKING:
@@ -69,3 +75,22 @@ class Model(Protocol):
     def logits(self, hidden: mx.array) -> mx.array:
         """Final norm + LM head: [..., hidden] -> [..., vocab] (fp32)."""
         ...
+
+
+@dataclass(frozen=True)
+class LayerSpec:
+    """What one layer caches per token: the shape of its pools and what it attends to.
+
+    ``kv_heads`` x ``k_dim`` keys and ``kv_heads`` x ``v_dim`` values per token
+    (MLA layers cache a latent: one "head" whose key and value widths differ).
+    ``window``: a sliding-window layer's query sees the last ``window``
+    positions, itself included; None for global attention.
+    """
+
+    kv_heads: int
+    k_dim: int
+    v_dim: int
+    window: int | None = None
+
+    def bytes_per_token(self, itemsize: int) -> int:
+        return self.kv_heads * (self.k_dim + self.v_dim) * itemsize

@@ -34,8 +34,8 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 
-from mlx_cairn.engine.paged import LayerSpec
 from mlx_cairn.errors import ModelLoadError
+from mlx_cairn.models.base import LayerSpec
 
 #: mlx_lm.models modules that are helpers, not architectures.
 _HELPERS = frozenset(
