@@ -33,6 +33,7 @@ from __future__ import annotations
 import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 import gguf
@@ -325,7 +326,7 @@ def to_hf(
             if base.endswith("q_proj")
             else config["num_key_value_heads"]
         )
-        arrays = {k: _rows(v, lambda a, h=heads: unpermute_qk(a, h)) for k, v in arrays.items()}
+        arrays = {k: _rows(v, partial(unpermute_qk, n_heads=heads)) for k, v in arrays.items()}
     if spec.norm_shift and suffix == "weight" and base.endswith("norm") and "scales" not in arrays:
         arrays = {"weight": arrays["weight"] - spec.norm_shift}
     if re.search(r"\.mlp\.experts\.\w+$", base) and arrays[next(iter(arrays))].ndim == 3:
