@@ -65,6 +65,14 @@ fn harmony_prose_and_malformed() {
     // A call whose arguments are not a JSON object: the content as text.
     let input = "<|channel|>commentary to=functions.f<|message|>not json<|call|>";
     check(input, h, true, false, &[text("not json")]);
+    // A prompt that opened the analysis message.
+    check(
+        "plan<|end|><|start|>assistant<|channel|>final<|message|>ok",
+        h,
+        true,
+        true,
+        &[reasoning("plan"), text("ok")],
+    );
     // A header cut by the end of the stream is structure: dropped.
     check("<|channel|>analys", h, true, false, &[]);
     // Lone `<` and markers.

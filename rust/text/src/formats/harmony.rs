@@ -58,6 +58,8 @@ enum State {
 
 #[derive(Debug, Clone)]
 pub(crate) struct Harmony {
+    /// The prompt opened an analysis message (`..<|channel|>analysis<|message|>`).
+    starts_in_reasoning: bool,
     tags: Tags<Tok>,
     state: State,
     header: String,
@@ -73,7 +75,7 @@ fn header_char(c: char) -> bool {
 }
 
 impl Harmony {
-    pub fn new() -> Self {
+    pub fn new(starts_in_reasoning: bool) -> Self {
         let mut tags = markers(&[], &[END], Tok::Marker);
         tags.extend([
             (START, Tok::Start),
@@ -84,14 +86,17 @@ impl Harmony {
             (CALL, Tok::End),
             (RETURN, Tok::End),
         ]);
-        Harmony {
+        let mut h = Harmony {
+            starts_in_reasoning,
             tags: Tags::new(tags),
             state: State::Header,
             header: String::new(),
             saw_tag: false,
             name: String::new(),
             body: String::new(),
-        }
+        };
+        h.reset();
+        h
     }
 
     /// Leaves the header: prose is released, structure dropped.
@@ -245,7 +250,11 @@ impl Machine for Harmony {
     }
 
     fn reset(&mut self) {
-        self.state = State::Header;
+        self.state = if self.starts_in_reasoning {
+            State::Reasoning
+        } else {
+            State::Header
+        };
         self.header.clear();
         self.saw_tag = false;
         self.name.clear();

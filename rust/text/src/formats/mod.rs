@@ -247,7 +247,9 @@ impl FormatParser {
         let spec = match family {
             Family::Hermes | Family::Qwen3Coder | Family::Llama3 | Family::Mistral => return None,
             Family::Harmony => {
-                return Some(FormatParser::Harmony(Driver::new(Harmony::new())));
+                return Some(FormatParser::Harmony(Driver::new(Harmony::new(
+                    starts_in_reasoning,
+                ))));
             }
             Family::Pythonic => {
                 return Some(FormatParser::Pythonic(Driver::new(Pythonic::new(
