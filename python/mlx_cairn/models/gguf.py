@@ -26,6 +26,10 @@ values (``x = d*q + m``), and ``d*q`` is exact in fp32, so the result equals
 
 from __future__ import annotations
 
+import os
+from collections import deque
+from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -79,6 +83,8 @@ REQUANT: dict[GGMLQuantizationType, tuple[int, int]] = {
     Q.MXFP4: (4, 32),
 }
 _DEFAULT_REQUANT = (8, 32)
+#: Tensors decoded ahead of the one being converted (bounds the extra memory).
+_AHEAD = 8
 
 
 @dataclass
@@ -162,15 +168,21 @@ def _triple(
     return {"weight": w, "scales": scales.astype(dtype), "biases": biases.astype(dtype)}
 
 
-def decode_tensor(
-    data: np.ndarray, info: TensorInfo, *, keep_quantized: bool, dtype: mx.Dtype
+def _numpy_stage(data: np.ndarray, info: TensorInfo) -> tuple[np.ndarray, ...]:
+    """The numpy part of decoding (run on worker threads): affine blocks or float32 values."""
+    if info.ggml_type in EXACT_AFFINE and len(info.shape) >= 2:
+        return affine_blocks(raw_blocks(data, info), info.ggml_type)
+    return (dequantize(data, info),)
+
+
+def _mlx_stage(
+    info: TensorInfo, parts: tuple[np.ndarray, ...], *, keep_quantized: bool, dtype: mx.Dtype
 ) -> tuple[dict[str, mx.array], tuple[int, int] | None]:
-    """One tensor as ``{"weight": w}`` (dense ``dtype``) or an affine triple with (group, bits)."""
     qtype = info.ggml_type
     quantized = qtype not in _FLOAT_TYPES and len(info.shape) >= 2
-    if quantized and qtype in EXACT_AFFINE:
+    if len(parts) == 3:
         bits = EXACT_AFFINE[qtype]
-        packed, scales, biases = (mx.array(a) for a in affine_blocks(raw_blocks(data, info), qtype))
+        packed, scales, biases = (mx.array(a) for a in parts)
         if keep_quantized:
             return _triple(packed, scales, biases, dtype), (32, bits)
         # fp32 scales: d*q is exact there, so this equals gguf.quants.dequantize.
@@ -178,7 +190,7 @@ def decode_tensor(
             packed, scales.astype(mx.float32), biases.astype(mx.float32), group_size=32, bits=bits
         )
         return {"weight": w.astype(dtype)}, None
-    w = mx.array(dequantize(data, info))
+    w = mx.array(parts[0])
     if quantized and keep_quantized:
         bits, group = REQUANT.get(qtype, _DEFAULT_REQUANT)
         if info.shape[-1] % group:
@@ -186,6 +198,35 @@ def decode_tensor(
         wq, scales, biases = mx.quantize(w, group_size=group, bits=bits)
         return _triple(wq, scales, biases, dtype), (group, bits)
     return {"weight": w.astype(dtype)}, None
+
+
+def decode_tensor(
+    data: np.ndarray, info: TensorInfo, *, keep_quantized: bool, dtype: mx.Dtype
+) -> tuple[dict[str, mx.array], tuple[int, int] | None]:
+    """One tensor as ``{"weight": w}`` (dense ``dtype``) or an affine triple with (group, bits)."""
+    return _mlx_stage(info, _numpy_stage(data, info), keep_quantized=keep_quantized, dtype=dtype)
+
+
+def _decoded(
+    data: np.ndarray, infos: list[TensorInfo], *, keep_quantized: bool, dtype: mx.Dtype
+) -> Iterator[tuple[TensorInfo, dict[str, mx.array], tuple[int, int] | None]]:
+    """Decode ``infos`` in order: numpy work on a few threads (it releases the GIL), at most
+    :data:`_AHEAD` tensors ahead of the MLX conversion, which stays on this thread."""
+    workers = max(1, min(4, os.cpu_count() or 1))
+    with ThreadPoolExecutor(workers, thread_name_prefix="gguf") as pool:
+        pending: deque[tuple[TensorInfo, Future[tuple[np.ndarray, ...]]]] = deque()
+        queue = iter(infos)
+        for info in queue:
+            pending.append((info, pool.submit(_numpy_stage, data, info)))
+            if len(pending) >= _AHEAD:
+                break
+        while pending:
+            info, fut = pending.popleft()
+            nxt = next(queue, None)
+            if nxt is not None:
+                pending.append((nxt, pool.submit(_numpy_stage, data, nxt)))
+            arrays, q = _mlx_stage(info, fut.result(), keep_quantized=keep_quantized, dtype=dtype)
+            yield info, arrays, q
 
 
 def read_gguf(
@@ -219,11 +260,10 @@ def read_gguf(
     names = gguf_arch.hf_name_map(arch, config["num_hidden_layers"])
     weights: dict[str, mx.array] = {}
     quantization: dict[str, tuple[int, int]] = {}
-    for info in header.tensors:
-        if gguf_arch.NOT_MODULES.fullmatch(info.name):
-            continue
-        hf = gguf_arch.hf_name(names, info.name)
-        arrays, q = decode_tensor(data, info, keep_quantized=keep_quantized, dtype=dtype)
+    modules = [t for t in header.tensors if not gguf_arch.NOT_MODULES.fullmatch(t.name)]
+    hf_names = {t.name: gguf_arch.hf_name(names, t.name) for t in modules}  # fail before work
+    for info, arrays, q in _decoded(data, modules, keep_quantized=keep_quantized, dtype=dtype):
+        hf = hf_names[info.name]
         base, parts = gguf_arch.to_hf(spec, config, hf, arrays, qk_order=qk_order)
         for k, v in parts.items():
             weights[f"{base}.{k}"] = v
