@@ -209,6 +209,15 @@ fn kimi_k2_calls() {
             tc("get_weather", r#"{"city":"Paris"}"#, body),
         ],
     );
+    // The singular spelling of the section tags.
+    let input = format!("<|tool_call_section_begin|>{body}<|tool_call_section_end|>ok");
+    check(
+        &input,
+        k,
+        false,
+        false,
+        &[tc("get_weather", r#"{"city":"Paris"}"#, body), text("ok")],
+    );
     // A section opened inside reasoning ends it.
     let input = format!("<think>go<|tool_calls_section_begin|>{body}<|tool_calls_section_end|>");
     check(

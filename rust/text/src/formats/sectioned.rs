@@ -27,7 +27,8 @@ pub(crate) struct Spec {
     pub always_think: bool,
     /// Tags that open the tool-call section (several spellings).
     pub opens: &'static [&'static str],
-    pub close: &'static str,
+    /// Tags that close it (several spellings).
+    pub close: &'static [&'static str],
     /// End-of-turn markers besides [`crate::END_MARKERS`]; dropped.
     pub markers: &'static [&'static str],
     /// Whether `close`, met after this much body, ends the section (it may
@@ -46,7 +47,7 @@ pub(crate) static GLM45: Spec = Spec {
     label: None,
     always_think: false,
     opens: &["<tool_call>"],
-    close: "</tool_call>",
+    close: &["</tool_call>"],
     markers: &["<|user|>", "<|assistant|>", "<|observation|>", "<|system|>"],
     closes: bodies::glm_closes,
     parse: bodies::parse_glm,
@@ -57,7 +58,7 @@ pub(crate) static DEEPSEEK_V3: Spec = Spec {
     label: None,
     always_think: false,
     opens: &[bodies::DS_CALLS_BEGIN],
-    close: bodies::DS_CALLS_END,
+    close: &[bodies::DS_CALLS_END],
     markers: &[
         "<｜end▁of▁sentence｜>",
         "<｜begin▁of▁sentence｜>",
@@ -77,13 +78,12 @@ pub(crate) static KIMI_K2: Spec = Spec {
         "<|tool_calls_section_begin|>",
         "<|tool_call_section_begin|>",
     ],
-    close: "<|tool_calls_section_end|>",
+    close: &["<|tool_calls_section_end|>", "<|tool_call_section_end|>"],
     markers: &[
         "<|im_user|>",
         "<|im_assistant|>",
         "<|im_system|>",
         "<|im_middle|>",
-        "<|tool_call_section_end|>",
     ],
     closes: always,
     parse: bodies::parse_kimi,
@@ -94,7 +94,7 @@ pub(crate) static GEMMA4: Spec = Spec {
     label: Some("thought\n"),
     always_think: true,
     opens: &["<|tool_call>"],
-    close: "<tool_call|>",
+    close: &["<tool_call|>"],
     markers: &[
         "<|turn>",
         "<turn|>",
@@ -113,7 +113,7 @@ pub(crate) static MINIMAX_M2: Spec = Spec {
     label: None,
     always_think: false,
     opens: &["<minimax:tool_call>"],
-    close: "</minimax:tool_call>",
+    close: &["</minimax:tool_call>"],
     markers: &["]~b]", "[e~["],
     closes: bodies::minimax_closes,
     parse: bodies::parse_minimax,
@@ -124,7 +124,7 @@ pub(crate) enum Tok {
     ThinkOpen,
     ThinkClose,
     Open(usize),
-    Close,
+    Close(usize),
     Marker,
 }
 
@@ -178,7 +178,12 @@ impl Sectioned {
                 );
             }
             if close {
-                v.push((spec.close, Tok::Close));
+                v.extend(
+                    spec.close
+                        .iter()
+                        .enumerate()
+                        .map(|(i, t)| (*t, Tok::Close(i))),
+                );
             }
             Tags::new(v)
         };
@@ -224,13 +229,14 @@ impl Sectioned {
         }
     }
 
-    fn finish_body(&mut self, closed: bool, out: &mut Out) {
+    /// `closed`: the index of the tag that closed the body, if one did.
+    fn finish_body(&mut self, closed: Option<usize>, out: &mut Out) {
         self.mode = Mode::Text;
         let body = std::mem::take(&mut self.body);
         match (self.spec.parse)(&body, &self.schemas) {
             Some(calls) if !calls.is_empty() => out.calls(&body, calls),
             _ => {
-                let close = if closed { self.spec.close } else { "" };
+                let close = closed.map_or("", |i| self.spec.close[i]);
                 out.malformed(&[self.spec.opens[self.open], &body, close]);
             }
         }
@@ -271,11 +277,11 @@ impl Machine for Sectioned {
                 self.open = i;
                 self.body.clear();
             }
-            (Mode::Body, Tok::Close) => {
+            (Mode::Body, Tok::Close(i)) => {
                 if (self.spec.closes)(&self.body) {
-                    self.finish_body(true, out);
+                    self.finish_body(Some(i), out);
                 } else {
-                    self.body.push_str(self.spec.close);
+                    self.body.push_str(self.spec.close[i]);
                 }
             }
             // Markers, stray closing tags, an open tag inside reasoning.
@@ -287,7 +293,7 @@ impl Machine for Sectioned {
         match self.mode {
             Mode::Text => {}
             Mode::Reasoning => self.end_label(out),
-            Mode::Body => self.finish_body(false, out),
+            Mode::Body => self.finish_body(None, out),
         }
     }
 
