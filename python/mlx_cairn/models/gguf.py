@@ -49,7 +49,6 @@ from mlx_cairn.models.loaded import LoadedModel, assemble
 from mlx_cairn.models.weights import (
     dtype_name,
     install_weights,
-    on_cpu,
     resolve_dtype,
     weights_identity,
 )
@@ -352,4 +351,4 @@ def load_gguf(
     )
 
 
-__all__ = ["GGUFContents", "decode_tensor", "dequantize", "load_gguf", "on_cpu", "read_gguf"]
+__all__ = ["GGUFContents", "decode_tensor", "dequantize", "load_gguf", "read_gguf"]
