@@ -151,3 +151,25 @@ def test_gpu_branch_keeps_the_blocks_quantized_and_answers_the_same():
         eos_token_ids=lm.eos_token_ids,
     )
     assert list(ids) == RECORDED[text]
+
+
+@pytest.mark.parametrize("qk_order", ["hf", "gguf"])
+def test_mlx_lm_llama_on_the_read_weights_answers_the_same(default_model, qk_order):
+    """read_gguf's output as mlx-lm's llama takes it, in either Q/K row order."""
+    pytest.importorskip("mlx_lm", reason="mlx-lm provides the reference llama class")
+    from mlx_lm.models.cache import make_prompt_cache
+
+    from mlx_cairn.models import zoo
+    from mlx_cairn.models.gguf import read_gguf
+
+    contents = read_gguf(default_model_path(), qk_order=qk_order)
+    model = zoo.build_model(contents.config, dict(contents.weights))
+    text = "What is the capital of France?"
+    ids = default_model.prompt(ChatRequest(messages=[Message("user", text)])).ids
+    cache = make_prompt_cache(model)
+    logits = model(mx.array([ids]), cache=cache)
+    out: list[int] = []
+    while len(out) < len(RECORDED[text]):
+        out.append(int(mx.argmax(logits[0, -1])))
+        logits = model(mx.array([out[-1:]]), cache=cache)
+    assert out == RECORDED[text]
