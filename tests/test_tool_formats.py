@@ -8,12 +8,13 @@ Each template below is a small stand-in holding the markers of the real one
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from _text_helpers import chunked, chunks_of
+from _text_helpers import chunked, chunks_of, model_text
 from mlx_cairn.chat import ChatTemplate, detect_parser_family, detect_reasoning
 from mlx_cairn.engine import Engine
 from mlx_cairn.engine.testing import closing_at_rest
@@ -184,6 +185,40 @@ def test_output_parses_for_any_chunking(family: str, data: st.DataObject) -> Non
     for s in segs:
         for tag in ("<|", "|>", "<｜", "<think>", "</think>", "<tool_call>", "<arg_", "<invoke"):
             assert tag not in s.text, (family, s)
+
+
+#: Pieces of every new family's syntax, for random inputs.
+FRAGMENTS = sorted(
+    {
+        piece
+        for out in OUTPUTS.values()
+        for piece in re.split(r"(<[^<>]*>|\n|\{|\}|\[|\]|\(|\))", out)
+        if piece
+    }
+    | {"<", "<|", "|>", "é", "🙂", " ", "<|end|>", "<|start|>", "<|call|>", "<|im_end|>"}
+)
+
+
+@given(
+    text=model_text(FRAGMENTS, max_size=24),
+    family=st.sampled_from(NEW),
+    reasoning=st.booleans(),
+    data=st.data(),
+)
+def test_random_text_is_chunking_invariant(
+    text: str, family: str, reasoning: bool, data: st.DataObject
+) -> None:
+    want = parse_output(text, family=family, reasoning=reasoning)
+    pipe = TextPipeline([], family=family, reasoning=reasoning)
+    segs: list[Segment] = []
+    for c in data.draw(chunked(text)):
+        segs += pipe.push(c)[0]
+    assert coalesce([*segs, *pipe.flush()]) == want
+    for s in want:
+        if s.kind == "tool_call":
+            assert s.name and isinstance(json.loads(s.arguments or ""), dict)
+        else:
+            assert s.text
 
 
 @pytest.mark.parametrize(
