@@ -342,6 +342,13 @@ fn pythonic_calls() {
         &[reasoning("x"), tc("f", "{}", "\n[f()]")],
     );
     check("[f(a=1", p, false, false, &[text("[f(a=1")]);
+    check(
+        "<|python_tag|>[f()]<|eom_id|>",
+        p,
+        false,
+        false,
+        &[tc("f", "{}", "[f()]")],
+    );
 }
 
 // ---- properties -----------------------------------------------------------

@@ -15,7 +15,15 @@ use super::{markers, Machine, Out, Tags};
 
 const PY_START: &str = "<|python_start|>";
 const PY_END: &str = "<|python_end|>";
-const LLAMA4_MARKERS: &[&str] = &["<|eot|>", "<|eom|>", "<|header_start|>", "<|header_end|>"];
+/// Llama 4's end-of-turn markers, and Llama 3's `<|python_tag|>`: dropped, so
+/// the list after it opens the reply.
+const LLAMA_MARKERS: &[&str] = &[
+    "<|eot|>",
+    "<|eom|>",
+    "<|header_start|>",
+    "<|header_end|>",
+    "<|python_tag|>",
+];
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum Tok {
@@ -88,7 +96,7 @@ pub(crate) struct Pythonic {
 impl Pythonic {
     pub fn new(reasoning: bool, starts_in_reasoning: bool) -> Self {
         let mk = |think: bool, py: bool| {
-            let mut v = markers(LLAMA4_MARKERS, &[], Tok::Marker);
+            let mut v = markers(LLAMA_MARKERS, &[], Tok::Marker);
             if think {
                 v.extend([("<think>", Tok::ThinkOpen), ("</think>", Tok::ThinkClose)]);
             }
