@@ -178,7 +178,7 @@ fn well_formed(family: Family, s: &str) -> Option<(String, Vec<Segment>)> {
             let ends = s.match_indices("</invoke>").any(|(i, _)| {
                 s[i + 9..].trim_start().starts_with("</minimax:tool_call>")
             });
-            if ends || has(&["</parameter>", "]~b]", "[e~["]) {
+            if ends || has(&["</parameter>", "]~b]", "]~!b[", "[e~["]) {
                 return None;
             }
             let body = format!("\n<invoke name=\"f\">\n<parameter name=\"p\">\n{s}\n</parameter>\n</invoke>\n");

@@ -45,7 +45,8 @@ PARSER_FAMILIES = (
 _TEMPLATE_MARKERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("harmony", ("<|channel|>",)),
     ("gemma4", ("<|tool_call>", '<|"|>')),
-    ("minimax_m2", ("<minimax:tool_call>",)),
+    # MiniMax M2's role markers are unique to it.
+    ("minimax_m2", ("<minimax:tool_call>", "]~!b[", "]~b]")),
     ("deepseek_v3", ("<｜tool▁calls▁begin｜>", "<｜tool▁call▁begin｜>")),
     ("kimi_k2", ("<|tool_calls_section_begin|>", "<|tool_call_begin|>")),
     ("glm45", ("<arg_key>",)),

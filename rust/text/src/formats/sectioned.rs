@@ -114,7 +114,7 @@ pub(crate) static MINIMAX_M2: Spec = Spec {
     always_think: false,
     opens: &["<minimax:tool_call>"],
     close: &["</minimax:tool_call>"],
-    markers: &["]~b]", "[e~["],
+    markers: &["]~b]", "]~!b[", "[e~["],
     closes: bodies::minimax_closes,
     parse: bodies::parse_minimax,
 };
