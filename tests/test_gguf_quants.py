@@ -198,6 +198,9 @@ def _ref_q2_k(b: np.ndarray) -> np.ndarray:
 
 # Q3_K is the one K-quant left to gguf-py alone: its 6-bit scales are packed across
 # three 4-byte masks and re-deriving them here would mostly test this file.
+# IQ* and TQ* have no formula here either: they decode through lookup grids (ggml-common.h's
+# iq2xxs_grid and friends) that only gguf-py carries, so a re-derivation would be a copy of
+# it, not a check; test_dense_decode_equals_gguf_dequantize covers what the loader does with them.
 K_REFERENCES = {Q.Q2_K: _ref_q2_k, Q.Q4_K: _ref_q4_k, Q.Q5_K: _ref_q5_k, Q.Q6_K: _ref_q6_k}
 
 
