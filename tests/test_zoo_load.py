@@ -208,3 +208,20 @@ def test_cpu_layout_keeps_the_tokens_and_exports_back(tmp_path, monkeypatch, mod
     ref2, _ = load_model(again)
     prompt = mx.array([ids[TEXTS[1]]], dtype=mx.int32)
     assert mx.allclose(ref(prompt), ref2(prompt), atol=1e-5).item()
+
+
+def test_llama_family_configs_llama_py_cannot_run_go_to_mlx_lm(tmp_path):
+    from mlx_lm.utils import load_model
+
+    from mlx_cairn.models.llama import LlamaModel
+
+    plain = load(str(save_folder(tiny_zoo_model("qwen3", seed=9), tmp_path / "plain")))
+    assert isinstance(plain.model, LlamaModel)  # the hand-written path (bench/RESULTS.md)
+    yarn = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 128}
+    folder = save_folder(tiny_zoo_model("llama", seed=9, rope_scaling=yarn), tmp_path / "yarn")
+    lm = load(str(folder))
+    assert isinstance(lm.model, ZooModel)
+    ref, _ = load_model(folder)
+    got, ids = engine_tokens(lm, TEXTS)
+    for t in TEXTS:
+        assert got[t] == mlx_lm_greedy(ref, ids[t], 8, lm.eos_token_ids)

@@ -110,6 +110,19 @@ def _mlx_or_dense(config: dict[str, Any]) -> bool:
     return not q or (q.get("quant_method") in (None, "mlx") and q.get("mode", "affine") == "affine")
 
 
+def _llama_path(config: dict[str, Any]) -> bool:
+    """Whether models/llama.py runs this config exactly; anything it lacks (other RoPE
+    scalings, sliding-window layers, other quantization formats) goes to mlx-lm."""
+    if config.get("model_type") not in LLAMA_PATH_TYPES or not _mlx_or_dense(config):
+        return False
+    rs = config.get("rope_scaling") or {}
+    if rs.get("rope_type", rs.get("type")) not in (None, "default", "llama3", "linear"):
+        return False
+    if "sliding_attention" in (config.get("layer_types") or []):
+        return False
+    return not config.get("use_sliding_window")
+
+
 def _quantized_config(config: dict[str, Any]) -> bool:
     return bool(config.get("quantization") or config.get("quantization_config"))
 
@@ -205,7 +218,7 @@ def load_hf_folder(
     config = _read_json(config_path)
     files = _safetensors_files(folder)
     model: Any
-    if config.get("model_type") in LLAMA_PATH_TYPES and _mlx_or_dense(config):
+    if _llama_path(config):
         model, tag = _load_llama(folder, config, files, dtype, keep_quantized)
         context = int(model.args.max_position_embeddings)
     else:

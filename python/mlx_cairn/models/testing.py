@@ -138,15 +138,16 @@ def tiny_model(arch: Arch = "llama", seed: int = 0) -> LoadedModel:
     )
 
 
-def tiny_zoo_model(model_type: str, seed: int = 0) -> LoadedModel:
+def tiny_zoo_model(model_type: str, seed: int = 0, **overrides: Any) -> LoadedModel:
     """A random-weight mlx-lm ``model_type`` (:mod:`mlx_cairn.models.tiny_configs`) as a LoadedModel.
 
-    The model is mlx-lm's own class, wrapped by :class:`mlx_cairn.models.zoo.ZooModel`.
+    The model is mlx-lm's own class, wrapped by :class:`mlx_cairn.models.zoo.ZooModel`;
+    ``overrides`` replace config entries.
     """
     from mlx_cairn.models.tiny_configs import tiny_config
     from mlx_cairn.models.zoo import ZooModel, build_model
 
-    config = tiny_config(model_type)
+    config = {**tiny_config(model_type), **overrides}
     inner = build_model(config, None)
     random_weights(inner, seed)
     model = ZooModel(inner, config)
