@@ -18,7 +18,7 @@ import pytest
 from mlx_cairn.engine import Engine
 from mlx_cairn.engine.testing import closing_at_rest
 from mlx_cairn.models.testing import mlx_lm_greedy, tiny_zoo_model
-from mlx_cairn.models.tiny_configs import TINY_CONFIGS
+from mlx_cairn.models.tiny_configs import TINY_CONFIGS, WRAPPERS
 from mlx_cairn.types import ChatRequest, Done, Message, SamplingParams
 
 TIMEOUT = 120.0
@@ -51,10 +51,12 @@ def finish(stream) -> Done:
     return events[-1]
 
 
-@pytest.mark.parametrize("model_type", sorted(TINY_CONFIGS))
+@pytest.mark.parametrize("model_type", sorted([*TINY_CONFIGS, *WRAPPERS]))
 def test_batched_paged_greedy_equals_mlx_lm(model_type):
     lm = tiny_zoo_model(model_type, seed=1)
     inner = lm.model.inner
+    # The head runs only on the positions the engine asks for (not inside __call__).
+    assert not lm.model.computes_logits_in_call
     eos = set(lm.eos_token_ids)
     ps = prompts(seed=7)
     want = {k: mlx_lm_greedy(inner, v, MAX_TOKENS, eos) for k, v in ps.items()}

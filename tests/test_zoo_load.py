@@ -38,7 +38,9 @@ def engine_tokens(lm, texts: list[str], n: int = 8) -> dict[str, list[int]]:
 TEXTS = ["Hi", "What is the capital of France? " * 3]
 
 
-@pytest.mark.parametrize("model_type", ["gemma3_text", "qwen3_moe", "deepseek_v3", "gpt_oss"])
+@pytest.mark.parametrize(
+    "model_type", ["gemma3_text", "gemma3", "mistral3", "qwen3_moe", "deepseek_v3", "gpt_oss"]
+)
 def test_dense_folder_loads_through_mlx_lm_and_matches_it(tmp_path, monkeypatch, model_type):
     import sys
 
@@ -53,8 +55,10 @@ def test_dense_folder_loads_through_mlx_lm_and_matches_it(tmp_path, monkeypatch,
     assert isinstance(lm.model, ZooModel)
     # fp32 on CPU: the architecture's module runs prefill attention in cpu_attention
     # (the reference below runs mlx-lm's own, cpu_attention.disabled()).
-    arch = sys.modules[type(lm.model.inner).__module__]
-    assert hasattr(arch.scaled_dot_product_attention, "_cairn_original")
+    mods = {sys.modules[type(m).__module__] for m in lm.model.modules()}
+    assert any(
+        hasattr(getattr(m, "scaled_dot_product_attention", None), "_cairn_original") for m in mods
+    )
     assert lm.model.model_type == model_type and lm.source_format == "hf"
     assert lm.identity.endswith(":float32")
     ref, _ = load_model(folder)  # mlx-lm's own loader on the same folder

@@ -145,8 +145,20 @@ TINY_CONFIGS: dict[str, dict[str, Any]] = {
 }
 
 
+#: Multimodal checkpoints whose text model is another entry (vision weights absent).
+WRAPPERS = {"gemma3": "gemma3_text", "mistral3": "ministral3"}
+
+
 def tiny_config(model_type: str) -> dict[str, Any]:
     """A fresh copy of the tiny config of ``model_type`` (with ``model_type`` set)."""
+    if model_type in WRAPPERS:
+        text = tiny_config(WRAPPERS[model_type])
+        return {
+            "model_type": model_type,
+            "text_config": text,
+            "vocab_size": VOCAB,
+            "max_position_embeddings": text["max_position_embeddings"],
+        }
     if model_type not in TINY_CONFIGS:
         raise ValueError(f"no tiny config for {model_type!r}; have {', '.join(TINY_CONFIGS)}")
     out = copy.deepcopy(_COMMON)

@@ -287,16 +287,34 @@ class _Probe:
         return False
 
 
-def _backbone(model: nn.Module) -> nn.Module | None:
-    """``model.model`` when ``Model.__call__`` is ``head(self.model(...))``, else None."""
-    inner = getattr(model, "model", None)
+def _calls_once(model: nn.Module, attr: str) -> bool:
+    """Whether ``type(model).__call__`` calls ``self.<attr>(`` exactly once."""
+    inner = getattr(model, attr, None)
     if not isinstance(inner, nn.Module) or not callable(inner):
-        return None
+        return False
     try:
         src = inspect.getsource(type(model).__call__)
     except (OSError, TypeError):
-        return None
-    return inner if src.count("self.model(") == 1 else None
+        return False
+    return src.count(f"self.{attr}(") == 1
+
+
+def _split(model: nn.Module) -> tuple[nn.Module, nn.Module] | None:
+    """``(head_owner, backbone)``: the Model whose ``__call__`` is ``head(self.model(...))``
+    and its ``.model``, looking through wrappers that only delegate to
+    ``self.language_model(...)`` (multimodal checkpoints such as gemma3, mistral3)."""
+    for _ in range(3):
+        if _calls_once(model, "model"):
+            return model, model.model
+        if not _calls_once(model, "language_model"):
+            return None
+        model = model.language_model
+    return None
+
+
+def _backbone(model: nn.Module) -> nn.Module | None:
+    split = _split(model)
+    return None if split is None else split[1]
 
 
 def layer_specs(model: nn.Module) -> list[LayerSpec]:
@@ -390,8 +408,11 @@ class ZooModel:
         # Uniform summaries for callers that size one pool shape (the widest layer).
         self.num_kv_heads = max(s.kv_heads for s in self.layer_specs)
         self.head_dim = max(max(s.k_dim, s.v_dim) for s in self.layer_specs)
-        self._backbone = _backbone(model)
-        self._head_self = _HeadOnly(model, self._backbone) if self._backbone is not None else None
+        split = _split(model)
+        self._backbone = None if split is None else split[1]
+        #: The Model whose __call__ applies the head (model itself, or a wrapped one).
+        self._head_owner = model if split is None else split[0]
+        self._head_self = None if split is None else _HeadOnly(split[0], split[1])
         self.vocab_size = int(
             config.get("vocab_size") or (config.get("text_config") or {}).get("vocab_size") or 0
         )
@@ -425,7 +446,7 @@ class ZooModel:
     def logits(self, hidden: mx.array) -> mx.array:
         if self._head_self is None:
             return hidden.astype(mx.float32)
-        out = type(self.inner).__call__(self._head_self, hidden)
+        out = type(self._head_owner).__call__(self._head_self, hidden)
         return out.astype(mx.float32)  # type: ignore[no-any-return]
 
     # nn.Module-like access for code that walks the weights (materialize, identity, export).
