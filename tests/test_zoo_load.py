@@ -229,3 +229,37 @@ def test_llama_family_configs_llama_py_cannot_run_go_to_mlx_lm(tmp_path):
     got, ids = engine_tokens(lm, TEXTS)
     for t in TEXTS:
         assert got[t] == mlx_lm_greedy(ref, ids[t], 8, lm.eos_token_ids)
+
+
+def test_reference_loop_and_whole_call_architectures_through_the_engine():
+    """engine/reference.py (``cairn generate``) runs mlx-lm's own caches; an architecture
+    that computes logits inside __call__ serves through the engine unchanged."""
+    from mlx_cairn.engine.testing import greedy_reference
+
+    lm = tiny_zoo_model("gemma3_text", seed=12)
+    ids = lm.tokenizer.encode("What is the capital of France? " * 4)
+    want = mlx_lm_greedy(lm.model.inner, ids, 8, lm.eos_token_ids)
+    assert greedy_reference(lm, ids, 8) == want
+
+    class Whole(nn.Module):
+        def __init__(self, inner: nn.Module) -> None:
+            super().__init__()
+            self.body = inner
+
+        @property
+        def layers(self):
+            return self.body.layers
+
+        def make_cache(self):
+            return self.body.make_cache()
+
+        def __call__(self, inputs, cache=None):
+            return self.body(inputs, cache=cache)
+
+    import dataclasses
+
+    whole = ZooModel(Whole(lm.model.inner), lm.model.config)
+    assert whole.computes_logits_in_call
+    got, prompt_ids = engine_tokens(dataclasses.replace(lm, model=whole), TEXTS)
+    for t in TEXTS:
+        assert got[t] == mlx_lm_greedy(lm.model.inner, prompt_ids[t], 8, lm.eos_token_ids)
