@@ -30,6 +30,10 @@ __all__ = [  # noqa: RUF022  (grouped by section)
     "TextPipeline",
     "coalesce",
     "parse_output",
+    # constrain
+    "CompiledGrammar",
+    "GrammarMatcher",
+    "GrammarVocabulary",
 ]
 
 # ---------------------------------------------------------------------------
@@ -285,3 +289,29 @@ class PrefixCache:
         """blocks_total/free/in_use/cached, lookups, hit_tokens, miss_tokens, evictions."""
 
 # (end of kv section)
+
+# --------------------------------------------------------------- constrain
+
+@final
+class GrammarVocabulary:
+    """A tokenizer's token trie for grammar-constrained decoding (llguidance)."""
+
+    def __new__(cls, tokenizer_json: str, eos_ids: list[int], width: int) -> GrammarVocabulary: ...
+    @property
+    def width(self) -> int: ...
+    def compile_json_schema(self, schema: str) -> CompiledGrammar: ...
+    def compile_lark(self, grammar: str) -> CompiledGrammar: ...
+    def matcher(self, grammar: CompiledGrammar) -> GrammarMatcher: ...
+
+@final
+class CompiledGrammar:
+    """A compiled grammar (one per request)."""
+
+@final
+class GrammarMatcher:
+    """One generating row's position in its grammar."""
+
+    def consume(self, token: int) -> None: ...
+    def mask(self) -> bytes: ...
+    def is_accepting(self) -> bool: ...
+    def is_stopped(self) -> bool: ...

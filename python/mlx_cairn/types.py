@@ -78,6 +78,20 @@ class Tool:
 
 
 @dataclass(slots=True)
+class OutputFormat:
+    """Structured output: the answer is one JSON value matching ``schema``
+    (None: any JSON object, OpenAI's ``json_object``). Decoding is constrained
+    to it, so it always parses."""
+
+    schema: dict[str, Any] | None = None
+    #: The dialect's name for the format (OpenAI ``json_schema.name``), for echoes.
+    name: str = ""
+    strict: bool = True
+    #: Where the dialect takes it from, for errors ("response_format", "text.format", ...).
+    param: str = "response_format"
+
+
+@dataclass(slots=True)
 class SamplingParams:
     """Per-request sampling settings. ``temperature == 0`` means greedy."""
 
@@ -121,7 +135,12 @@ class ChatRequest:
     stop: list[str] = field(default_factory=list)
     tools: list[Tool] = field(default_factory=list)
     #: "auto" | "none" | "required" | {"name": ...}; None means "auto".
+    #: "required" and a name are enforced by a grammar (the call always comes).
     tool_choice: str | dict[str, Any] | None = None
+    #: Whether one answer may hold several tool calls.
+    parallel_tool_calls: bool = True
+    #: Structured output (JSON constrained to a schema), or None for free text.
+    output_format: OutputFormat | None = None
     #: Reasoning switch: None = the model's default, else on / off.
     reasoning: bool | None = None
     #: Most reasoning tokens before the engine closes the reasoning block

@@ -32,6 +32,8 @@ from typing import Any
 
 import mlx.core as mx
 
+from mlx_cairn import constrain
+from mlx_cairn.constrain import GrammarMask
 from mlx_cairn.engine import prepare as _prep
 from mlx_cairn.engine.paged import KVPools, LayerSpec, pool_blocks
 from mlx_cairn.engine.runner import ModelRunner, SampledStep, StepOutput, merge_outputs
@@ -206,6 +208,13 @@ class Engine:
                 tokens=list(prepared.prompt_ids),
                 arrival=rid,
             )
+            if prepared.grammar is not None:
+                seq.row_masks.append(
+                    GrammarMask(
+                        constrain.vocabulary(self.loaded).matcher(prepared.grammar),
+                        prepared.grammar_after,
+                    )
+                )
             self._queued += 1
             self._inbox.append(seq)
             self._lock.notify_all()

@@ -21,6 +21,7 @@ from mlx_cairn.chat.prompt import template_kwargs
 from mlx_cairn.engine.prompt_bound import vocab_bound
 from mlx_cairn.engine.sequence import PreparedRequest
 from mlx_cairn.errors import ContextLengthExceeded, InvalidRequest
+from mlx_cairn.text import output_family
 from mlx_cairn.types import (
     MAX_LOGIT_BIAS,
     MAX_LOGIT_BIAS_ENTRIES,
@@ -240,10 +241,14 @@ def prepare(
         tok = loaded.tokenizer
         tags = (tok.encode(info.open_tag), tok.encode(info.close_tag))
     tools_on = request.offers_tools
+    grammar = compile_grammar(loaded, request) if _constrained(request) else None
+    after: list[int] = []
+    if grammar is not None and reasoning and prompt.in_reasoning:
+        after = loaded.tokenizer.encode(info.close_tag)
     return PreparedRequest(
         request=request,
         prompt_ids=list(prompt.ids),
-        parser_family=loaded.parser_family if tools_on else None,
+        parser_family=output_family(loaded.parser_family, tools_on),
         reasoning=reasoning,
         in_reasoning=bool(prompt.in_reasoning),
         salt=f"{loaded.identity}\x00{request.cache_salt or ''}",
@@ -251,4 +256,73 @@ def prepare(
         sampling=sampling,
         reasoning_budget=budget if reasoning else None,
         reasoning_tags=tags,
+        grammar=grammar,
+        grammar_after=after,
     )
+
+
+def _forced_tools(request: ChatRequest) -> list[Any] | None:
+    """The tools one of which must be called, or None when no call is forced."""
+    choice = request.tool_choice
+    if not request.offers_tools or choice in (None, "auto"):
+        return None
+    if choice == "required":
+        return list(request.tools)
+    if isinstance(choice, dict):
+        named = [t for t in request.tools if t.name == choice.get("name")]
+        if not named:
+            raise InvalidRequest(
+                f"tool_choice names {choice.get('name')!r}, which is not among the tools",
+                param="tool_choice",
+            )
+        return named
+    return None
+
+
+def _constrained(request: ChatRequest) -> bool:
+    return request.output_format is not None or _forced_tools(request) is not None
+
+
+def compile_grammar(loaded: Any, request: ChatRequest) -> Any:
+    """The request's grammar, compiled (InvalidRequest naming what does not compile).
+
+    A forced tool call follows the family's tool-call syntax; a structured
+    output follows its schema; with tools offered as well (``auto``), either.
+    Families without a written grammar get no constraint on their calls.
+    """
+    from mlx_cairn import constrain
+
+    vocab = constrain.vocabulary(loaded)
+    family = loaded.parser_family
+    forced = _forced_tools(request)
+    fmt = request.output_format
+    tok = loaded.tokenizer
+
+    def special(text: str) -> int | None:
+        return tok.special_tokens.get(text)
+
+    tools_text = None
+    if forced is not None or (fmt is not None and request.offers_tools):
+        tools_text = constrain.tool_grammar(
+            family,
+            forced if forced is not None else list(request.tools),
+            parallel=request.parallel_tool_calls,
+            special_id=special,
+        )
+    try:
+        if fmt is not None:
+            constrain.check_schema(constrain.output_schema(fmt))
+        if forced is not None:
+            if tools_text is None:
+                return None
+            return vocab.compile_lark(tools_text)
+        assert fmt is not None
+        schema = constrain.styled(constrain.output_schema(fmt), strict=fmt.strict)
+        if tools_text is None:
+            return vocab.compile_json_schema(schema)
+        return vocab.compile_lark(constrain.either(tools_text, schema))
+    except ValueError as e:
+        param = "tools" if forced is not None else fmt.param if fmt is not None else "tools"
+        raise InvalidRequest(
+            f"the schema cannot be used for constrained decoding: {e}", param=param
+        ) from e

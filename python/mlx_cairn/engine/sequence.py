@@ -51,6 +51,10 @@ class PreparedRequest:
     reasoning_budget: int | None = None
     #: Token ids of the model's reasoning open / close tags (for the budget).
     reasoning_tags: tuple[list[int], list[int]] = ([], [])
+    #: The compiled grammar output must follow (``mlx_cairn.constrain``), or None.
+    grammar: Any = None
+    #: Output token ids after which the grammar starts (the close of reasoning).
+    grammar_after: list[int] = field(default_factory=list)
 
     @property
     def num_prompt_tokens(self) -> int:

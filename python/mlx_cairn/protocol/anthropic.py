@@ -46,6 +46,7 @@ from mlx_cairn.types import (
     MAX_STOP_SEQUENCES,
     ChatRequest,
     Message,
+    OutputFormat,
     Tool,
     ToolCall,
 )
@@ -107,6 +108,8 @@ def _parse(body: Any, *, max_tokens_limit: int, count_only: bool) -> AnthropicRe
 
     tools = _map_tools(body.get("tools"))
     tool_choice = _map_tool_choice(body.get("tool_choice"))
+    parallel = _parallel_tool_use(body.get("tool_choice"))
+    output = _map_output_format(body.get("output_config"))
     reasoning, show_thinking, budget = _map_thinking(
         body.get("thinking"), body.get("output_config")
     )
@@ -136,6 +139,8 @@ def _parse(body: Any, *, max_tokens_limit: int, count_only: bool) -> AnthropicRe
         tool_choice=tool_choice if tools else None,
         reasoning=reasoning,
         reasoning_budget=budget,
+        parallel_tool_calls=parallel,
+        output_format=output,
     )
     return AnthropicRequest(chat, model, stream, show_thinking, is_title)
 
@@ -414,6 +419,31 @@ def _map_tool_choice(raw: Any) -> str | dict[str, Any] | None:
             raise fail("tool_choice.name", "must be a non-empty string")
         return {"name": name}
     raise fail("tool_choice.type", "must be one of 'auto', 'any', 'tool', 'none'")
+
+
+def _parallel_tool_use(raw: Any) -> bool:
+    """``tool_choice.disable_parallel_tool_use``: at most one call when true."""
+    if not isinstance(raw, dict) or raw.get("disable_parallel_tool_use") is None:
+        return True
+    flag = raw["disable_parallel_tool_use"]
+    if not isinstance(flag, bool):
+        raise fail("tool_choice.disable_parallel_tool_use", "must be a boolean")
+    return not flag
+
+
+def _map_output_format(output_config: Any) -> OutputFormat | None:
+    """``output_config.format``: ``{"type": "json_schema", "schema": {...}}`` (structured output)."""
+    if not isinstance(output_config, dict) or output_config.get("format") is None:
+        return None
+    fmt = output_config["format"]
+    if not isinstance(fmt, dict):
+        raise fail("output_config.format", "must be an object")
+    if fmt.get("type") != "json_schema":
+        raise fail("output_config.format.type", "must be 'json_schema'")
+    schema = fmt.get("schema")
+    if not isinstance(schema, dict):
+        raise fail("output_config.format.schema", "must be a JSON Schema object")
+    return OutputFormat(schema, param="output_config.format")
 
 
 #: ``output_config.effort`` under adaptive thinking -> (reasoning on, token budget).

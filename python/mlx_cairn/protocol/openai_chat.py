@@ -67,6 +67,7 @@ from mlx_cairn.protocol.openai_common import (
     new_id,
     opt_bool,
     opt_max_tokens,
+    output_format,
     short,
     tool_choice,
 )
@@ -150,6 +151,7 @@ def parse_chat_request(body: Any, *, max_tokens_limit: int) -> OpenAIChatRequest
         choice=choice,
         effort=body.get("reasoning_effort"),
         effort_param="reasoning_effort",
+        output=output_format(body.get("response_format"), "response_format", nested=True),
     )
     return OpenAIChatRequest(chat, model, stream, include_usage, open_ended)
 

@@ -36,6 +36,7 @@ from mlx_cairn.types import (
     MAX_STOP_SEQUENCES,
     ChatRequest,
     Message,
+    OutputFormat,
     SamplingParams,
     TokenLogprob,
     Tool,
@@ -175,8 +176,10 @@ def chat_request(
     choice: str | dict[str, Any] | None,
     effort: Any,
     effort_param: str,
+    output: OutputFormat | None = None,
 ) -> ChatRequest:
-    """The neutral request both OpenAI dialects build; reads ``stop`` and ``cache_salt``."""
+    """The neutral request both OpenAI dialects build; reads ``stop``, ``cache_salt``
+    and ``parallel_tool_calls``."""
     return ChatRequest(
         messages=messages,
         model=model,
@@ -187,7 +190,39 @@ def chat_request(
         tool_choice=choice if tools else None,
         reasoning=reasoning_switch(effort, effort_param),
         cache_salt=cache_salt(body),
+        parallel_tool_calls=opt_bool(body, "parallel_tool_calls", True),
+        output_format=output,
     )
+
+
+def output_format(raw: Any, param: str, *, nested: bool) -> OutputFormat | None:
+    """``response_format`` (Chat, ``nested``: the schema under ``json_schema``) or
+    ``text.format`` (Responses): ``text`` -> None, ``json_object``, ``json_schema``."""
+    if raw is None:
+        return None
+    if not isinstance(raw, dict):
+        raise fail(param, "must be an object")
+    kind = raw.get("type")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return OutputFormat(None, "json_object", param=param)
+    if kind != "json_schema":
+        raise fail(f"{param}.type", "must be one of 'text', 'json_object', 'json_schema'")
+    where = f"{param}.json_schema" if nested else param
+    spec = raw.get("json_schema") if nested else raw
+    if not isinstance(spec, dict):
+        raise fail(where, "must be an object")
+    name = spec.get("name", "")
+    if not isinstance(name, str):
+        raise fail(f"{where}.name", "must be a string")
+    schema = spec.get("schema", {"type": "object"})
+    if not isinstance(schema, dict):
+        raise fail(f"{where}.schema", "must be a JSON Schema object")
+    strict = spec.get("strict", False)
+    if strict is not None and not isinstance(strict, bool):
+        raise fail(f"{where}.strict", "must be a boolean")
+    return OutputFormat(schema, name, bool(strict), param=where)
 
 
 def content_text(raw: Any, param: str, text_types: tuple[str, ...]) -> str:

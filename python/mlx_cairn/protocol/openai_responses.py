@@ -43,6 +43,7 @@ from mlx_cairn.protocol.openai_common import (
     metadata_map,
     opt_bool,
     opt_max_tokens,
+    output_format,
     short,
     tool_choice,
 )
@@ -120,6 +121,9 @@ def parse_responses_request(
     if reasoning_cfg is not None and not isinstance(reasoning_cfg, dict):
         raise fail("reasoning", "must be an object")
     effort = (reasoning_cfg or {}).get("effort")
+    text_cfg = body.get("text") or {}
+    if not isinstance(text_cfg, dict):
+        raise fail("text", "must be an object")
     metadata = metadata_map(body.get("metadata"))
     store = opt_bool(body, "store", True)
 
@@ -133,18 +137,19 @@ def parse_responses_request(
         choice=choice,
         effort=effort,
         effort_param="reasoning.effort",
+        output=output_format(text_cfg.get("format"), "text.format", nested=False),
     )
     raw_choice = body.get("tool_choice")
     echo = {
         "instructions": instructions,
         "max_output_tokens": mt,
         "metadata": metadata or {},
-        "parallel_tool_calls": True,
+        "parallel_tool_calls": chat.parallel_tool_calls,
         "previous_response_id": prev_id,
         "reasoning": {"effort": effort, "summary": None},
         "store": store,
         "temperature": sampling.temperature,
-        "text": {"format": {"type": "text"}},
+        "text": {"format": text_cfg.get("format") or {"type": "text"}},
         "tool_choice": raw_choice if raw_choice is not None else "auto",
         "tools": tools_echo,
         "top_logprobs": k if k is not None else 0,

@@ -5,6 +5,7 @@
 //! may panic across the boundary.
 use pyo3::prelude::*;
 
+mod constrain;
 mod kv;
 mod sse;
 mod text;
@@ -15,5 +16,6 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     text::register(m)?;
     sse::register(m)?;
     kv::register(m)?;
+    constrain::register(m)?;
     Ok(())
 }

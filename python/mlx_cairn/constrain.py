@@ -1,0 +1,203 @@
+"""Grammar-constrained decoding: structured outputs and forced tool calls.
+
+A thin layer over the Rust ``cairn-constrain`` crate (llguidance): the token
+trie is built once per tokenizer (:func:`vocabulary`), a request's grammar is
+compiled once in ``Engine.prepare`` (a schema that does not compile is a 400
+before any work), and each generating row gets a :class:`GrammarMask`, the
+engine's row-mask seam (``mlx_cairn.engine.logits.RowMask``): it reads every
+sampled token on the host, so its row skips the one-step look-ahead.
+
+Example::
+
+    vocab = vocabulary(loaded)
+    compiled = vocab.compile_json_schema('{"type": "object"}')
+    seq.row_masks.append(GrammarMask(vocab.matcher(compiled)))
+
+Tool calls are constrained in the model family's own syntax around each
+tool's input schema, so the output parsers read the result unchanged
+(:func:`tool_grammar`).
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from typing import Any
+
+import mlx.core as mx
+import numpy as np
+import orjson
+
+from mlx_cairn._core import CompiledGrammar, GrammarMatcher, GrammarVocabulary
+from mlx_cairn.types import OutputFormat, Tool
+
+#: How JSON is written under a grammar: one canonical spacing, as a model's
+#: own JSON usually is. Flexible whitespace lets a small model pad forever.
+JSON_STYLE = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+
+#: Families whose tool-call syntax a grammar is written for here.
+GRAMMAR_FAMILIES = ("hermes", "llama3", "mistral")
+
+_vocabularies: weakref.WeakKeyDictionary[Any, GrammarVocabulary] = weakref.WeakKeyDictionary()
+_vocab_lock = threading.Lock()
+
+
+def vocabulary(loaded: Any) -> GrammarVocabulary:
+    """The token trie of ``loaded``'s tokenizer (built on first use, then shared)."""
+    from mlx_cairn.engine.prepare import vocab_size
+
+    tok = loaded.tokenizer
+    with _vocab_lock:
+        v = _vocabularies.get(tok)
+        if v is None:
+            v = GrammarVocabulary(
+                tok.hf.to_str(), sorted(int(t) for t in loaded.eos_token_ids), vocab_size(loaded)
+            )
+            _vocabularies[tok] = v
+    return v
+
+
+#: Integers stay within what every JSON reader keeps exactly (I-JSON, RFC 7493):
+#: an unbounded integer grammar lets a small model write digits until max_tokens.
+SAFE_INTEGER = 2**53 - 1
+_BOUNDS = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum")
+
+
+def interoperable(schema: Any) -> Any:
+    """``schema`` with each integer that has no bound limited to +-SAFE_INTEGER."""
+    if isinstance(schema, list):
+        return [interoperable(v) for v in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {k: interoperable(v) for k, v in schema.items()}
+    kind = schema.get("type")
+    is_int = kind == "integer" or (isinstance(kind, list) and "integer" in kind)
+    if is_int and not any(b in schema for b in _BOUNDS):
+        out["minimum"], out["maximum"] = -SAFE_INTEGER, SAFE_INTEGER
+    return out
+
+
+def styled(schema: dict[str, Any], *, strict: bool = True) -> str:
+    """``schema`` as JSON text with the output style set (``x-guidance``).
+
+    Not ``strict``: keywords the grammar engine cannot enforce are ignored
+    (left to the model) instead of refusing the schema.
+    """
+    style = {**JSON_STYLE, "lenient": not strict}
+    return orjson.dumps({**interoperable(schema), "x-guidance": style}).decode()
+
+
+def check_schema(schema: Any) -> None:
+    """A schema must be a JSON object (llguidance names anything it cannot compile)."""
+    if not isinstance(schema, dict):
+        raise ValueError(f"a JSON schema must be an object, not {type(schema).__name__}")
+
+
+def either(tools_grammar: str, schema_json: str) -> str:
+    """A grammar for a tool call (``tools_grammar``) or an answer matching ``schema_json``."""
+    lines = tools_grammar.splitlines()
+    renamed = ["calls:" + ln[len("start:") :] if ln.startswith("start:") else ln for ln in lines]
+    return "\n".join(["start: calls | answer", *renamed, f"answer: %json {schema_json}", ""])
+
+
+def output_schema(fmt: OutputFormat) -> dict[str, Any]:
+    """The schema an answer must match (``json_object``: any JSON object)."""
+    return fmt.schema if fmt.schema is not None else {"type": "object"}
+
+
+def _call_schema(tools: list[Tool], args_key: str) -> dict[str, Any]:
+    """One call of any of ``tools``: ``{"name": <its name>, args_key: <its schema>}``."""
+    options = [
+        {
+            "type": "object",
+            "properties": {"name": {"const": t.name}, args_key: t.parameters or {"type": "object"}},
+            "required": ["name", args_key],
+            "additionalProperties": False,
+        }
+        for t in tools
+    ]
+    return options[0] if len(options) == 1 else {"anyOf": options}
+
+
+def tool_grammar(
+    family: str | None, tools: list[Tool], *, parallel: bool, special_id: Any = None
+) -> str | None:
+    """A Lark grammar for one (or, with ``parallel``, one or more) call of ``tools`` in
+    ``family``'s syntax; None when no grammar is written for the family.
+
+    ``special_id(text)`` gives the id of a special token (Mistral's ``[TOOL_CALLS]``).
+    """
+    if not tools:
+        return None
+    if family == "hermes":
+        call = _call_schema(tools, "arguments")
+        body = '"<tool_call>\\n" obj "\\n</tool_call>"'
+        start = f'start: call ("\\n" call)*\ncall: {body}' if parallel else f"start: {body}"
+        return f"{start}\nobj: %json {styled(call)}\n"
+    if family == "llama3":
+        # One bare JSON call (Llama 3.1's custom-tool format); no parallel syntax.
+        return f"start: obj\nobj: %json {styled(_call_schema(tools, 'parameters'))}\n"
+    if family == "mistral":
+        tid = special_id("[TOOL_CALLS]") if special_id is not None else None
+        if tid is None:
+            return None
+        calls: dict[str, Any] = {
+            "type": "array",
+            "items": _call_schema(tools, "arguments"),
+            "minItems": 1,
+        }
+        if not parallel:
+            calls["maxItems"] = 1
+        return f"start: <[{int(tid)}]> obj\nobj: %json {styled(calls)}\n"
+    return None
+
+
+class GrammarMask:
+    """One row's grammar as a row mask (see :mod:`mlx_cairn.engine.logits`).
+
+    ``start_after``: token ids that must appear in the output before the
+    grammar applies (the close of reasoning when generation starts inside
+    it); until then the row is unconstrained.
+    """
+
+    needs_host_token = True
+
+    def __init__(self, matcher: GrammarMatcher, start_after: list[int] | None = None) -> None:
+        self.matcher = matcher
+        self.start_after = list(start_after or [])
+        self._begin: int | None = None if self.start_after else 0
+        self._consumed = 0  # output tokens fed to the matcher, counted from _begin
+
+    def mask(self, seq: Any, vocab: int) -> mx.array | None:
+        out = seq.tokens[seq.num_prompt :]
+        if self._begin is None:
+            self._begin = _find_end(out, self.start_after)
+            if self._begin is None:
+                return None
+        for t in out[self._begin + self._consumed :]:
+            self.matcher.consume(t)
+            self._consumed += 1
+        return mx.array(np.frombuffer(self.matcher.mask(), dtype=np.float32))
+
+
+def _find_end(tokens: list[int], pattern: list[int]) -> int | None:
+    """Index just past the first occurrence of ``pattern`` in ``tokens``."""
+    n = len(pattern)
+    for i in range(len(tokens) - n + 1):
+        if tokens[i : i + n] == pattern:
+            return i + n
+    return None
+
+
+__all__ = [
+    "GRAMMAR_FAMILIES",
+    "CompiledGrammar",
+    "GrammarMask",
+    "GrammarVocabulary",
+    "check_schema",
+    "either",
+    "output_schema",
+    "styled",
+    "tool_grammar",
+    "vocabulary",
+]
