@@ -259,8 +259,7 @@ class GenerationResponse(Response):
         self.ping_interval = ping_interval
         #: ``codec.open()``, built before submit by :func:`serve_generation`.
         self.opening = codec.open() if opening is None else opening
-        self._events = gen.stream.__aiter__()
-        self._pending: asyncio.Future[Event] | None = None
+        self._gone = False  # the client left (set by the disconnect watcher)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         watcher = asyncio.ensure_future(_wait_for_disconnect(receive))
@@ -283,89 +282,113 @@ class GenerationResponse(Response):
         """Serve the generation; ``watcher`` ends when the client leaves. ``head_sent``:
         the SSE head (and pings) already went out (:class:`LoadingStreamResponse`)."""
         self._scope = scope  # for the /metrics observations of final events
+        watcher.add_done_callback(self._on_gone)
         try:
             if self.stream:
-                await self._run_stream(scope, send, watcher, head_sent)
+                await self._run_stream(scope, send, head_sent)
             else:
-                await self._run_json(scope, receive, send, watcher)
+                await self._run_json(scope, receive, send)
         except _Disconnected:
             log.info("client disconnected; generation cancelled")
             if not self.stream:  # nothing was sent: /metrics counts a 499, not a 500
                 scope[CLIENT_GONE_SCOPE_KEY] = True
             observe_event(scope, self.gen.model.name, Error("disconnected", "client went away"))
         finally:
-            if self._pending is not None:
-                self._pending.cancel()
+            watcher.remove_done_callback(self._on_gone)
             self.gen.stream.cancel()  # no-op once the stream has finished
 
-    async def _next(self, watcher: asyncio.Future[None], timeout: float | None) -> Event | None:
-        """The next Event, None on timeout; raises _Disconnected when the client left."""
-        if self._pending is None:
-            self._pending = asyncio.ensure_future(_anext(self._events))
-        waiting: set[asyncio.Future[Any]] = {self._pending, watcher}
-        done, _ = await asyncio.wait(waiting, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
-        if self._pending in done:
-            fut, self._pending = self._pending, None
-            ev = fut.result()
-            observe_event(self._scope, self.gen.model.name, ev)
-            return ev
-        if watcher in done:
-            self.gen.stream.cancel()
+    def _on_gone(self, watcher: asyncio.Future[None]) -> None:
+        """The disconnect watcher ended: cancel at once and wake the reader."""
+        if watcher.cancelled():
+            return
+        self._gone = True
+        self.gen.stream.cancel()
+        self.gen.stream.interrupt()
+
+    async def _batch(self) -> list[Event]:
+        """The Events queued now (waiting for one), ``[]`` when woken early (ping
+        timer); raises _Disconnected when the client left.
+
+        One wait per engine step, however many events it brought: no task, no
+        ``asyncio.wait``, one future (:meth:`RequestStream.next_batch`).
+        """
+        if self._gone:
             raise _Disconnected
-        return None
+        stream = self.gen.stream
+        events: list[Event] = await stream.next_batch()
+        if self._gone and not (events and isinstance(events[-1], (Done, Error))):
+            raise _Disconnected
+        if not events and stream.drained:  # pragma: no cover - an engine always ends a stream
+            events = [Error("internal", "the generation ended without a final event")]
+        for ev in events:
+            if isinstance(ev, (Done, Error)):
+                observe_event(self._scope, self.gen.model.name, ev)
+        return events
 
     # ------------------------------------------------------------ SSE
 
-    async def _run_stream(
-        self, scope: Scope, send: Send, watcher: asyncio.Future[None], head_sent: bool
-    ) -> None:
+    async def _run_stream(self, scope: Scope, send: Send, head_sent: bool) -> None:
         if not head_sent:
             await _send_sse_head(scope, send)
+        loop = asyncio.get_running_loop()
+        if self.opening:
+            await send(_body(b"".join(encode(f) for f in self.opening)))
+        stream = self.gen.stream
+        interval = self.ping_interval
+        last_sent = loop.time()
+        timer: asyncio.TimerHandle | None = None
 
-        async def out(frames: list[WireEvent]) -> None:
-            if frames:
-                await send(
-                    {
-                        "type": "http.response.body",
-                        "body": b"".join(encode(f) for f in frames),
-                        "more_body": True,
-                    }
-                )
+        # One timer per ping interval, not one per event: when it fires and
+        # nothing was sent for ``interval`` it wakes the reader, which pings.
+        def tick() -> None:
+            nonlocal timer
+            quiet = loop.time() - last_sent
+            if quiet >= interval:
+                stream.interrupt()
+                quiet = 0.0
+            timer = loop.call_later(interval - quiet, tick)
 
-        await out(self.opening)
+        timer = loop.call_later(interval, tick)
         done: Done | None = None
-        while True:
-            ev = await self._next(watcher, self.ping_interval)
-            if ev is None:
-                await send(
-                    {"type": "http.response.body", "body": self.codec.ping(), "more_body": True}
-                )
-                continue
-            await out(self.codec.feed(ev))
-            if isinstance(ev, Done):
-                done = ev
-                break
-            if isinstance(ev, Error):
-                break
+        final = False
+        try:
+            while not final:
+                events = await self._batch()
+                if not events:
+                    if loop.time() - last_sent >= interval * 0.999:
+                        await send(_body(self.codec.ping()))
+                        last_sent = loop.time()
+                    continue
+                frames: list[WireEvent] = []
+                for ev in events:
+                    frames += self.codec.feed(ev)
+                    if isinstance(ev, (Done, Error)):
+                        done = ev if isinstance(ev, Done) else None
+                        final = True
+                        break
+                if frames:
+                    await send(_body(b"".join(encode(f) for f in frames)))
+                    last_sent = loop.time()
+        finally:
+            if timer is not None:
+                timer.cancel()
         await _end_sse(scope, send, done.usage.cached_tokens if done is not None else 0)
 
     # ----------------------------------------------------------- JSON
 
-    async def _run_json(
-        self, scope: Scope, receive: Receive, send: Send, watcher: asyncio.Future[None]
-    ) -> None:
+    async def _run_json(self, scope: Scope, receive: Receive, send: Send) -> None:
         wire = list(self.opening)
-        while True:
-            ev = await self._next(watcher, None)
-            if ev is None:  # pragma: no cover - no timeout in JSON mode
-                continue
-            if isinstance(ev, Error):
-                resp = error_response(self.dialect, error_kind(ev.kind).status, ev.kind, ev.message)
-                await resp(scope, receive, send)
-                return
-            wire += self.codec.feed(ev)
-            if isinstance(ev, Done):
-                break
+        ev: Event | None = None
+        while not isinstance(ev, Done):
+            for ev in await self._batch():
+                if isinstance(ev, Error):
+                    status = error_kind(ev.kind).status
+                    resp = error_response(self.dialect, status, ev.kind, ev.message)
+                    await resp(scope, receive, send)
+                    return
+                wire += self.codec.feed(ev)
+                if isinstance(ev, Done):
+                    break
         if len(wire) > FOLD_OFF_LOOP_EVENTS:  # a long answer: fold and encode it off the loop
             body = await asyncio.to_thread(_fold_bytes, self.codec, wire)
         else:
@@ -379,6 +402,10 @@ class GenerationResponse(Response):
         ]
         await send({"type": "http.response.start", "status": 200, "headers": headers})
         await send({"type": "http.response.body", "body": body, "more_body": False})
+
+
+def _body(data: bytes) -> dict[str, Any]:
+    return {"type": "http.response.body", "body": data, "more_body": True}
 
 
 class LoadingStreamResponse(Response):
@@ -498,13 +525,6 @@ async def _end_sse(scope: Scope, send: Send, cached: int) -> None:
 
 def _fold_bytes(codec: Codec, wire: list[WireEvent]) -> bytes:
     return json_bytes(codec.fold(wire))
-
-
-async def _anext(it: Any) -> Event:
-    try:
-        return await it.__anext__()  # type: ignore[no-any-return]
-    except StopAsyncIteration:
-        return Error("internal", "the generation ended without a final event")
 
 
 async def _wait_for_disconnect(receive: Receive) -> None:
