@@ -325,3 +325,44 @@ def test_a_schema_that_cannot_compile_is_refused_before_any_work(engine):
         )
     assert e.value.param == "tool_choice"
     assert engine.stats().requests_total == before
+
+
+def test_strict_tools_under_auto_constrain_a_call_once_it_opens(engine, default_model):
+    """Free text stays free; a call the model opens must match its strict schema."""
+    from mlx_cairn import constrain
+
+    strict = [Tool(t.name, t.description, t.parameters, strict=True) for t in TOOLS]
+    req = ChatRequest(
+        [Message("user", "Weather in Paris please.")],
+        max_tokens=120,
+        sampling=SamplingParams(temperature=0.0),
+        tools=strict,
+        tool_choice="auto",
+    )
+    prepared = engine.prepare(req)
+    assert prepared.grammar is not None
+    vocab = constrain.vocabulary(default_model)
+    tok = default_model.tokenizer
+
+    def allowed(text: str) -> bool:
+        m = vocab.matcher(prepared.grammar)
+        for t in tok.encode(text):
+            import numpy as np
+
+            if np.frombuffer(m.mask(), np.float32)[t] != 0.0:
+                return False
+            m.consume(t)
+        return True
+
+    assert allowed("Sure, I can help with that.")
+    assert allowed(
+        'Let me check. <tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"'
+    )
+    assert not allowed('Let me check. <tool_call>\n{"name": "get_time"')
+    assert not allowed('<tool_call>\n{"name": "add", "arguments": {"a": "one"')
+    (events,) = run_all(engine, [req])
+    assert isinstance(events[-1], Done)
+    for call in (e for e in events if isinstance(e, ToolCall)):
+        jsonschema.validate(
+            json.loads(call.arguments), {t.name: t for t in TOOLS}[call.name].parameters
+        )

@@ -152,6 +152,46 @@ def tool_grammar(
     return None
 
 
+#: Families whose calls open with a tag, so a grammar can wait for it (strict tools
+#: under ``auto``): the text before the tag is free.
+OPEN_TAGS = {"hermes": "<tool_call>"}
+
+
+def strict_tools_grammar(family: str | None, tools: list[Tool], *, parallel: bool) -> str | None:
+    """``auto`` with strict tools: free text, or text then calls whose arguments match.
+
+    Text that never opens a call ends freely; once the family's opening tag is
+    written, the call (and any that follow) is constrained. Tools not marked
+    strict take any object as arguments.
+    """
+    tag = OPEN_TAGS.get(family or "")
+    if tag is None or not any(t.strict for t in tools):
+        return None
+    shaped = [t if t.strict else Tool(t.name, t.description, {"type": "object"}) for t in tools]
+    calls = tool_grammar(family, shaped, parallel=True)
+    assert calls is not None
+    lit = orjson.dumps(tag).decode()
+    rest = '"\\n" obj "\\n</tool_call>"'
+    more = ' ("\\n" call)*' if parallel else ""
+    return "\n".join(
+        [
+            f"start: FREE | opened {rest}{more}",
+            f"FREE: /(?s:.*)/ & ~/(?s:.*){_rx(tag)}(?s:.*)/",
+            f"opened[suffix={lit}]: /(?s:.*)/",
+            *[ln for ln in calls.splitlines() if not ln.startswith("start:")],
+            "",
+        ]
+    )
+
+
+_REGEX_META = set("\\.+*?()|[]{}^$#&-~")
+
+
+def _rx(text: str) -> str:
+    """``text`` as a literal in a grammar regex."""
+    return "".join("\\" + c if c in _REGEX_META else c for c in text)
+
+
 class GrammarMask:
     """One row's grammar as a row mask (see :mod:`mlx_cairn.engine.logits`).
 

@@ -75,6 +75,9 @@ class Tool:
     name: str
     description: str = ""
     parameters: dict[str, Any] = field(default_factory=lambda: {"type": "object", "properties": {}})
+    #: Calls must match ``parameters`` exactly (OpenAI / Anthropic ``strict``): once
+    #: the model opens a call, decoding is constrained to the tools' schemas.
+    strict: bool = False
 
 
 @dataclass(slots=True)

@@ -280,15 +280,17 @@ def _forced_tools(request: ChatRequest) -> list[Any] | None:
 
 
 def _constrained(request: ChatRequest) -> bool:
-    return request.output_format is not None or _forced_tools(request) is not None
+    strict = request.offers_tools and any(t.strict for t in request.tools)
+    return strict or request.output_format is not None or _forced_tools(request) is not None
 
 
 def compile_grammar(loaded: Any, request: ChatRequest) -> Any:
     """The request's grammar, compiled (InvalidRequest naming what does not compile).
 
     A forced tool call follows the family's tool-call syntax; a structured
-    output follows its schema; with tools offered as well (``auto``), either.
-    Families without a written grammar get no constraint on their calls.
+    output follows its schema; with tools offered as well (``auto``), either;
+    ``auto`` with strict tools leaves text free and constrains calls once one
+    opens. Families without a written grammar get no constraint on their calls.
     """
     from mlx_cairn import constrain
 
@@ -316,7 +318,11 @@ def compile_grammar(loaded: Any, request: ChatRequest) -> Any:
             if tools_text is None:
                 return None
             return vocab.compile_lark(tools_text)
-        assert fmt is not None
+        if fmt is None:  # auto with strict tools: constrained once a call opens
+            lazy = constrain.strict_tools_grammar(
+                family, list(request.tools), parallel=request.parallel_tool_calls
+            )
+            return vocab.compile_lark(lazy) if lazy is not None else None
         schema = constrain.styled(constrain.output_schema(fmt), strict=fmt.strict)
         if tools_text is None:
             return vocab.compile_json_schema(schema)

@@ -397,7 +397,10 @@ def _map_tools(raw: Any) -> list[Tool]:
             desc = ""
         if not isinstance(desc, str):
             raise fail(f"{param}.description", "must be a string")
-        tools.append(Tool(name, desc, schema))
+        strict = t.get("strict")
+        if strict is not None and not isinstance(strict, bool):
+            raise fail(f"{param}.strict", "must be a boolean")
+        tools.append(Tool(name, desc, schema, bool(strict)))
     return tools
 
 

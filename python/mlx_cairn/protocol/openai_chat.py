@@ -243,7 +243,11 @@ def _map_tools(raw: Any) -> list[Tool]:
             raise fail(f"{param}.function", "must be an object")
         tools.append(
             function_tool(
-                fn.get("name"), fn.get("description"), fn.get("parameters"), f"{param}.function"
+                fn.get("name"),
+                fn.get("description"),
+                fn.get("parameters"),
+                f"{param}.function",
+                fn.get("strict"),
             )
         )
     return tools

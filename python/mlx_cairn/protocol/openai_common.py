@@ -261,7 +261,7 @@ def content_text(raw: Any, param: str, text_types: tuple[str, ...]) -> str:
     return "".join(out)
 
 
-def function_tool(name: Any, desc: Any, params: Any, param: str) -> Tool:
+def function_tool(name: Any, desc: Any, params: Any, param: str, strict: Any = None) -> Tool:
     """One validated function tool."""
     if not isinstance(name, str) or not name:
         raise fail(f"{param}.name", "must be a non-empty string")
@@ -273,7 +273,9 @@ def function_tool(name: Any, desc: Any, params: Any, param: str) -> Tool:
         params = {"type": "object", "properties": {}}
     if not isinstance(params, dict):
         raise fail(f"{param}.parameters", "must be a JSON Schema object")
-    return Tool(name, desc, params)
+    if strict is not None and not isinstance(strict, bool):
+        raise fail(f"{param}.strict", "must be a boolean")
+    return Tool(name, desc, params, bool(strict))
 
 
 def tool_choice(raw: Any, tools: list[Tool], *, nested: bool) -> str | dict[str, Any] | None:

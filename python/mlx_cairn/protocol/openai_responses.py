@@ -186,7 +186,9 @@ def _map_tools(raw: Any) -> tuple[list[Tool], list[dict[str, Any]]]:
             raise fail(param, "must be an object")
         if t.get("type") != "function":
             continue  # web search, file search, ...: nothing a local model can run
-        tool = function_tool(t.get("name"), t.get("description"), t.get("parameters"), param)
+        tool = function_tool(
+            t.get("name"), t.get("description"), t.get("parameters"), param, t.get("strict")
+        )
         tools.append(tool)
         echo.append(
             {
