@@ -144,10 +144,15 @@ impl Vocabulary {
             }
             Grammar::Lark(text) => TopLevelGrammar::from_lark(text.clone()),
         };
-        let parser = self
-            .factory
-            .create_parser(top)
-            .map_err(|e| ConstrainError::Grammar(e.to_string()))?;
+        // A schema is request input: a panic inside the grammar compiler is a
+        // refusal of that schema, never a crash of the server.
+        let factory = &self.factory;
+        let parser =
+            std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| factory.create_parser(top)))
+                .map_err(|_| {
+                    ConstrainError::Grammar("the grammar compiler failed on this schema".into())
+                })?
+                .map_err(|e| ConstrainError::Grammar(e.to_string()))?;
         Ok(Compiled { parser })
     }
 
