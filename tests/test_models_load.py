@@ -21,6 +21,12 @@ IDS = [1, 40, 7, 99, 250, 3, 17]
 ARCHS = ["llama", "qwen2", "qwen3"]
 
 
+def _blocked(lm) -> bool:
+    from mlx_cairn.models.cpu_layout import BlockedLinear
+
+    return any(isinstance(m, BlockedLinear) for _, m in lm.model.named_modules())
+
+
 def _same(a: np.ndarray, b: np.ndarray) -> None:
     # Loaded fp32 models on CPU run the blocked layout (models.cpu_layout): equal up to rounding.
     np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
@@ -203,14 +209,15 @@ def test_cpu_layout_is_applied_on_load_and_can_be_disabled(tmp_path, monkeypatch
     folder = save_folder(lm, tmp_path / "m")
     monkeypatch.setenv("CAIRN_CPU_LAYOUT", "1")
     blocked = load(str(folder))
-    assert "head" in blocked.model
+    assert _blocked(blocked)
     _same(_logits(blocked), _logits(lm))
     monkeypatch.setenv("CAIRN_CPU_LAYOUT", "auto")  # measured: either layout, same logits
     _same(_logits(load(str(folder))), _logits(lm))
     monkeypatch.setenv("CAIRN_CPU_LAYOUT", "0")
     plain = load(str(folder))
-    assert "head" not in plain.model
-    np.testing.assert_array_equal(_logits(plain), _logits(lm))
+    assert not _blocked(plain)
+    # mlx-lm's llama class runs the folder (models/zoo.py): equal up to rounding.
+    _same(_logits(plain), _logits(lm))
 
 
 def test_mlx_quantized_folder_with_per_layer_overrides(tmp_path):

@@ -20,7 +20,7 @@ from mlx_cairn.chat.builtin_templates import CHATML
 from mlx_cairn.chat.tokenizer import Tokenizer
 from mlx_cairn.errors import ModelLoadError
 from mlx_cairn.models import zoo
-from mlx_cairn.models.llama import SUPPORTED_MODEL_TYPES, LlamaModel, ModelArgs
+from mlx_cairn.models.llama import LlamaModel, ModelArgs
 from mlx_cairn.models.loaded import LoadedModel, assemble
 from mlx_cairn.models.weights import (
     QuantSpec,
@@ -86,8 +86,10 @@ def quant_spec(config: dict[str, Any]) -> QuantSpec | None:
     return spec
 
 
-#: model_types the hand-written Llama path serves (see bench/RESULTS.md, "llama.py vs mlx-lm").
-LLAMA_PATH_TYPES = SUPPORTED_MODEL_TYPES
+#: model_types HF folders still load into the hand-written models/llama.py: none. With the
+#: same CPU layout and prefill attention, mlx-lm's llama measured as fast or faster
+#: (bench/RESULTS.md, "llama.py vs mlx-lm's llama"); only GGUF files still use llama.py.
+LLAMA_PATH_TYPES: frozenset[str] = frozenset()
 
 #: Context length when a config names none.
 DEFAULT_CONTEXT = 4096
@@ -215,7 +217,7 @@ def load_hf_folder(
     config_path = folder / "config.json"
     if not config_path.is_file():
         raise ModelLoadError(f"{folder} has no config.json")
-    config = _read_json(config_path)
+    config = raw_config = _read_json(config_path)
     files = _safetensors_files(folder)
     model: Any
     if _llama_path(config):
@@ -248,7 +250,7 @@ def load_hf_folder(
         bool(add_bos) if isinstance(add_bos, bool) else _template_writes_bos(tokenizer)
     )
 
-    eos = _ids(config.get("eos_token_id"))
+    eos = _ids(raw_config.get("eos_token_id")) | _ids(config.get("eos_token_id"))
     gen_path = folder / "generation_config.json"
     if gen_path.is_file():
         eos |= _ids(_read_json(gen_path).get("eos_token_id"))

@@ -190,6 +190,8 @@ def load_folder(folder: Path) -> tuple[nn.Module, dict[str, Any]]:
         what = f"model_type {config.get('model_type')!r}" + (
             f", quantization {method}" if method else ""
         )
+        if isinstance(e, ValueError) and ("parameters" in str(e) or "shape" in str(e)):
+            what += "; the checkpoint does not match the architecture"
         raise ModelLoadError(
             f"cannot load {folder.name} ({what}) with mlx-lm: {type(e).__name__}: {e}"
         ) from None
@@ -448,6 +450,15 @@ class ZooModel:
             return hidden.astype(mx.float32)
         out = type(self._head_owner).__call__(self._head_self, hidden)
         return out.astype(mx.float32)  # type: ignore[no-any-return]
+
+    @property
+    def args(self) -> Any:
+        """mlx-lm's ModelArgs of the model (``model_type``, dims, RoPE settings)."""
+        owner = self._head_owner
+        return getattr(owner, "args", None) or getattr(self.inner, "args", None)
+
+    def load_weights(self, weights: list[tuple[str, mx.array]], strict: bool = True) -> None:
+        self.inner.load_weights(weights, strict=strict)
 
     # nn.Module-like access for code that walks the weights (materialize, identity, export).
     def modules(self) -> list[nn.Module]:
