@@ -60,6 +60,17 @@ op = st.one_of(
 fault = st.tuples(st.sampled_from(PHASES), st.integers(0, 15), st.integers(0, 6))
 
 
+class HostMask:
+    """A row mask that needs each token on the host and allows everything (the
+    grammar path without changing any token)."""
+
+    needs_host_token = True
+
+    def mask(self, seq, vocab):
+        assert not seq.inflight
+        return None
+
+
 class Faults:
     """A row fault hook: the n-th call of a phase for a given request raises, once."""
 
@@ -77,6 +88,8 @@ class Faults:
             if p == phase and i < len(self.ids) and self.ids[i] == seq.request_id and k == n:
                 self.hit.add(seq.request_id)
                 raise RuntimeError(f"injected {phase} fault")
+
+
 config = st.fixed_dictionaries(
     {
         "num_blocks": st.integers(6, 40),
@@ -108,6 +121,8 @@ def test_random_schedules_never_leak_or_hang(lm, cfg, ops, faults):
                     with engine._lock:  # its id is known before the engine sees it
                         s = engine.submit(request(a, b))
                         hook.ids.append(s.request_id)
+                        if (a + b) % 2 == 0:  # half the rows sample after a host read
+                            engine._inbox[-1].row_masks.append(HostMask())
                     streams.append((s, a, b))
             elif kind == "cancel" and streams:
                 i = a % len(streams)

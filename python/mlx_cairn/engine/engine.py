@@ -35,6 +35,7 @@ import mlx.core as mx
 from mlx_cairn import constrain
 from mlx_cairn.constrain import GrammarMask
 from mlx_cairn.engine import prepare as _prep
+from mlx_cairn.engine.logits import masks_for
 from mlx_cairn.engine.paged import KVPools, LayerSpec, pool_blocks
 from mlx_cairn.engine.runner import ModelRunner, SampledStep, StepOutput, merge_outputs
 from mlx_cairn.engine.scheduler import Scheduler, StepPlan
@@ -346,6 +347,41 @@ class Engine:
         previous, self._inflight = self._inflight, launched
         if previous is not None:
             self._apply(previous)
+        if launched is not None and launched.deferred and self._inflight is launched:
+            self._inflight = self._sample_deferred(launched)
+
+    def _sample_deferred(self, out: StepOutput) -> StepOutput:
+        """Sample the rows of ``out`` that waited for their last token (now applied).
+
+        Rows that ended meanwhile are dropped; a row whose mask fails fails alone.
+        """
+        up = self._update
+        vocab = int(out.deferred_logits.shape[-1])  # type: ignore[union-attr]
+        keep: list[int] = []
+        masks: list[list[mx.array]] = []
+        hook = self._row_fault_hook
+        for i, r in enumerate(out.deferred):
+            if not up.live(r.seq):
+                continue
+            try:
+                if hook is not None:
+                    hook("sample", r.seq)
+                masks.append(masks_for(r.seq, vocab))
+                keep.append(i)
+            except Exception as e:
+                up.fail(r.seq, "masked", e)
+        try:
+            part = self._runner.sample_deferred(out, keep, masks)
+        except Exception as e:
+            for i in keep:
+                up.fail(out.deferred[i].seq, "sampled", e)
+            part = StepOutput(StepPlan(), (), None)
+        up.queued(part)
+        whole = merge_outputs([out, part])
+        assert whole is not None
+        whole.plan = out.plan
+        whole.deferred, whole.deferred_logits = (), None
+        return whole
 
     # -------------------------------------------------- faults, one row at a time
 

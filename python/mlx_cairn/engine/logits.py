@@ -13,8 +13,9 @@ The penalties read the row's token counts. They live on the device and are
 kept as a cache of the row's *known* tokens (extended when new tokens are read
 back), plus its tokens still in flight, which are lazy arrays: a row with
 penalties keeps the one-step look-ahead. A processor that needs the previous
-token on the host (a grammar matcher) says so with ``needs_host_token`` and
-its row is scheduled only once nothing of it is in flight.
+token on the host (a grammar matcher) says so with ``needs_host_token``: its
+row's forward pass still runs ahead on the placeholder token, and only its
+sampling waits until that token has been read back (``runner.sample_deferred``).
 
 Example::
 
@@ -110,7 +111,9 @@ class RowProcessors:
         return counts
 
 
-def process(rows: list[Sequence], logits: mx.array) -> mx.array:
+def process(
+    rows: list[Sequence], logits: mx.array, masks: list[list[mx.array]] | None = None
+) -> mx.array:
     """``logits`` [B, V] with every row's processors applied (rows in order).
 
     A new array: the raw logits stay as they were (logprobs read them). Each
@@ -157,12 +160,8 @@ def process(rows: list[Sequence], logits: mx.array) -> mx.array:
         c_idx = mx.array(np.concatenate([ids for _, ids, _ in bias]))
         vals = mx.array(np.concatenate([v for _, _, v in bias]))
         out = out.at[r_idx, c_idx].add(vals)
-    masks = [
-        [m for m in (x.mask(rows[b], vocab) for x in p.extra) if m is not None]
-        if p is not None
-        else []
-        for b, p in enumerate(procs)
-    ]
+    if masks is None:
+        masks = [row_masks(rows[b], p, vocab) for b, p in enumerate(procs)]
     if any(masks):
         zero = mx.zeros((vocab,), dtype=mx.float32)
         stacked = []
@@ -175,8 +174,20 @@ def process(rows: list[Sequence], logits: mx.array) -> mx.array:
     return out
 
 
+def row_masks(seq: Sequence, procs: RowProcessors | None, vocab: int) -> list[mx.array]:
+    """The additive masks of ``seq``'s row masks for its next token."""
+    if procs is None:
+        return []
+    return [m for m in (x.mask(seq, vocab) for x in procs.extra) if m is not None]
+
+
+def masks_for(seq: Sequence, vocab: int) -> list[mx.array]:
+    """``seq``'s row masks for its next token (its processors are created if needed)."""
+    return row_masks(seq, RowProcessors.for_sequence(seq, vocab), vocab)
+
+
 def needs_host_token(seq: Sequence) -> bool:
-    """Whether ``seq`` may only be scheduled once its last token is on the host."""
+    """Whether ``seq``'s sampling must wait until its last token is on the host."""
     return any(m.needs_host_token for m in seq.row_masks)
 
 

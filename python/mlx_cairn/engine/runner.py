@@ -44,6 +44,12 @@ class StepOutput:
     sampled: mx.array | None
     #: (offset of its first row in ``rows``, lazy logprobs) per launched part.
     logprobs: list[tuple[int, _logits.StepLogprobs]] = field(default_factory=list)
+    #: Sampling rows whose processors need their last token on the host, which
+    #: is still in flight: their forward pass is queued, their sampling waits
+    #: for :meth:`ModelRunner.sample_deferred` (after that token is read back).
+    deferred: tuple[RowPlan, ...] = ()
+    #: Their raw logits [len(deferred), vocab] (lazy).
+    deferred_logits: mx.array | None = None
 
 
 @dataclass(slots=True)
@@ -101,14 +107,50 @@ class ModelRunner:
             mx.async_eval(self.pools.arrays())
             return StepOutput(plan, (), None)
         raw = parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=0)
+        later = [i for i, r in enumerate(rows) if r.placeholder and _logits.needs_host_token(r.seq)]
+        if not later:
+            return self._sample(plan, tuple(rows), raw)
+        now = [i for i in range(len(rows)) if i not in set(later)]
+        deferred_logits = raw[mx.array(later, dtype=mx.int32)]
+        out = StepOutput(plan, (), None)
+        if now:
+            out = self._sample(
+                plan, tuple(rows[i] for i in now), raw[mx.array(now, dtype=mx.int32)]
+            )
+        else:
+            mx.async_eval(self.pools.arrays())
+        out.deferred = tuple(rows[i] for i in later)
+        out.deferred_logits = deferred_logits
+        mx.async_eval(deferred_logits)
+        return out
+
+    def sample_deferred(
+        self, out: StepOutput, keep: list[int], masks: list[list[mx.array]]
+    ) -> StepOutput:
+        """Sample ``out``'s deferred rows ``keep`` (indices into ``out.deferred``) with
+        their row masks (computed by the caller, now that their last token is known)."""
+        assert out.deferred_logits is not None
+        rows = tuple(out.deferred[i] for i in keep)
+        if not rows:
+            return StepOutput(StepPlan(), (), None)
+        raw = out.deferred_logits[mx.array(keep, dtype=mx.int32)]
+        return self._sample(StepPlan(), rows, raw, masks)
+
+    def _sample(
+        self,
+        plan: StepPlan,
+        rows: tuple[RowPlan, ...],
+        raw: mx.array,
+        masks: list[list[mx.array]] | None = None,
+    ) -> StepOutput:
         seqs = [r.seq for r in rows]
-        processed = _logits.process(seqs, raw)
+        processed = _logits.process(seqs, raw, masks)
         sampled = sample_rows(
             processed, [r.seq.prepared.sampling for r in rows], [r.out_index for r in rows]
         )
         lp = _logits.step_logprobs(seqs, raw, sampled)
         mx.async_eval(sampled, *(lp.arrays() if lp is not None else ()), self.pools.arrays())
-        return StepOutput(plan, tuple(rows), sampled, [(0, lp)] if lp is not None else [])
+        return StepOutput(plan, rows, sampled, [(0, lp)] if lp is not None else [])
 
     def read(self, out: StepOutput) -> SampledStep:
         """Wait for ``out``; its tokens (and logprobs) on the host."""
@@ -136,11 +178,16 @@ def merge_outputs(parts: list[StepOutput]) -> StepOutput | None:
     for p in parts:
         logprobs.extend((offset + off, lp) for off, lp in p.logprobs)
         offset += len(p.rows)
+    deferred = [p for p in parts if p.deferred]
     return StepOutput(
         plan,
         tuple(r for p in parts for r in p.rows),
         mx.concatenate(sampled) if sampled else None,
         logprobs,
+        tuple(r for p in deferred for r in p.deferred),
+        mx.concatenate([p.deferred_logits for p in deferred])  # type: ignore[misc]
+        if deferred
+        else None,
     )
 
 

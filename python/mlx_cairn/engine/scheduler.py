@@ -28,7 +28,6 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from mlx_cairn.engine.logits import needs_host_token
 from mlx_cairn.engine.sequence import Sequence
 
 
@@ -187,7 +186,6 @@ class Scheduler:
                     seq.num_pending == 1
                     and seq.wants_more
                     and seq.forced is None
-                    and not (seq.inflight and needs_host_token(seq))
                     and self._grow(seq, 1, plan)
                 ):
                     plan.decode.append(seq)

@@ -132,6 +132,10 @@ class StateUpdate:
         """Commit a launched step: rows advance by what they fed, samples queue as placeholders."""
         for r in out.plan.rows:
             r.seq.num_computed = r.start + r.n
+        self.queued(out)
+
+    def queued(self, out: StepOutput) -> None:
+        """Queue a step's lazy samples as their rows' placeholders."""
         if out.sampled is not None:
             for i, r in enumerate(out.rows):
                 r.seq.inflight.append(out.sampled[i])
@@ -166,7 +170,7 @@ class StateUpdate:
         pending and never finish.
         """
         now = time.perf_counter()
-        for r in out.rows:
+        for r in (*out.rows, *out.deferred):
             seq = r.seq
             if seq.inflight:
                 seq.inflight.clear()
