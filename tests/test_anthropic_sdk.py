@@ -72,6 +72,11 @@ def tool_call(name: str, args: dict[str, Any]) -> str:
     return "<tool_call>" + json.dumps({"name": name, "arguments": args}) + "</tool_call>"
 
 
+def canonical_call(name: str, args: dict[str, Any]) -> str:
+    """A Hermes call exactly as the forced-choice grammar writes it."""
+    return "<tool_call>\n" + json.dumps({"name": name, "arguments": args}) + "\n</tool_call>"
+
+
 def ask(text: str) -> list[dict[str, Any]]:
     return [{"role": "user", "content": f"Please answer. {say(text)}"}]
 
@@ -95,7 +100,11 @@ CASES: list[tuple[str, dict[str, Any], Any]] = [
         [("text", "Sure."), ("tool_use", {"city": "NYC"})],
     ),
     (
-        "\n\n" + tool_call("get_weather", {"city": "A"}) + tool_call("get_weather", {"city": "B"}),
+        # A forced choice is constrained to the family's canonical syntax: the
+        # script says it that way (one call per tag, newline-separated).
+        canonical_call("get_weather", {"city": "A"})
+        + "\n"
+        + canonical_call("get_weather", {"city": "B"}),
         {"tools": [WEATHER], "tool_choice": {"type": "any"}},
         [("tool_use", {"city": "A"}), ("tool_use", {"city": "B"})],
     ),

@@ -81,6 +81,22 @@ _ANTHROPIC_COMMON: dict[str, Any] = {
         },
     },
 }
+#: Logits-processor and sampling fields every dialect reads (Anthropic as extra fields).
+_SAMPLING_EXTRAS: dict[str, Any] = {
+    "frequency_penalty": {"type": "number", "minimum": -2, "maximum": 2},
+    "presence_penalty": {"type": "number", "minimum": -2, "maximum": 2},
+    "repetition_penalty": {"type": "number", "exclusiveMinimum": 0, "maximum": 10},
+    "min_p": {"type": "number", "minimum": 0, "maximum": 1},
+    "logit_bias": {
+        "type": "object",
+        "additionalProperties": {"type": "number", "minimum": -100, "maximum": 100},
+    },
+}
+_JSON_SCHEMA_FORMAT = {
+    "type": "object",
+    "required": ["type"],
+    "properties": {"type": {"enum": ["text", "json_object", "json_schema"]}, "schema": _OBJ},
+}
 MESSAGES_BODY: dict[str, Any] = {
     "type": "object",
     "required": ["model", "max_tokens", "messages"],
@@ -92,6 +108,8 @@ MESSAGES_BODY: dict[str, Any] = {
         "temperature": {"type": "number", "minimum": 0, "maximum": 1},
         "top_p": _TOP_P,
         "top_k": {"type": "integer", "minimum": 0},
+        "seed": _INT,
+        **_SAMPLING_EXTRAS,
         "metadata": _OBJ,
     },
 }
@@ -174,7 +192,23 @@ CHAT_BODY: dict[str, Any] = {
             },
         },
         "tool_choice": {"anyOf": [{"enum": ["auto", "none", "required"]}, _OBJ]},
+        "parallel_tool_calls": _BOOL,
         "reasoning_effort": _STR,
+        "top_k": {"type": "integer", "minimum": 0},
+        **_SAMPLING_EXTRAS,
+        "logprobs": _BOOL,
+        "top_logprobs": {"type": "integer", "minimum": 0, "maximum": 20},
+        "response_format": {
+            "type": "object",
+            "required": ["type"],
+            "properties": {
+                "type": {"enum": ["text", "json_object", "json_schema"]},
+                "json_schema": {
+                    "type": "object",
+                    "properties": {"name": _STR, "schema": _OBJ, "strict": _BOOL},
+                },
+            },
+        },
     },
 }
 RESPONSES_BODY: dict[str, Any] = {
@@ -210,6 +244,11 @@ RESPONSES_BODY: dict[str, Any] = {
         "store": _BOOL,
         "previous_response_id": _STR,
         "metadata": {"type": "object", "additionalProperties": _STR},
+        "top_logprobs": {"type": "integer", "minimum": 0, "maximum": 20},
+        "include": {"type": "array", "items": _STR},
+        "text": {"type": "object", "properties": {"format": _JSON_SCHEMA_FORMAT}},
+        "tool_choice": {"anyOf": [{"enum": ["auto", "none", "required"]}, _OBJ]},
+        "parallel_tool_calls": _BOOL,
         "tools": {
             "type": "array",
             "items": {

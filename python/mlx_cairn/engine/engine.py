@@ -153,11 +153,13 @@ class Engine:
         # A weak reference: a cycle would keep the model and the pools alive
         # after close() until the next garbage collection.
         left_queue = weakref.WeakMethod(self._left_queue)
+
+        def on_left_queue() -> None:
+            if (m := left_queue()) is not None:
+                m()
+
         self._update = StateUpdate(
-            self._scheduler,
-            loaded_model.tokenizer,
-            self._eos,
-            lambda: (m := left_queue()) is not None and m(),
+            self._scheduler, loaded_model.tokenizer, self._eos, on_left_queue
         )
         self._inflight: StepOutput | None = None  # launched, not read back yet
         self._stalled = False  # the last step could plan nothing: wait for an event
@@ -446,7 +448,7 @@ class Engine:
             try:
                 if check is not None:
                     check(r.seq)
-                results.append(int(out.sampled[i].item()))
+                results.append(int(out.sampled[i].item()))  # type: ignore[arg-type]
             except Exception as e:
                 results.append(e)
         # Logprobs are dropped with the batched read: the rows still get their tokens.

@@ -173,7 +173,7 @@ def merge_outputs(parts: list[StepOutput]) -> StepOutput | None:
         prefill=tuple(r for p in parts for r in p.plan.prefill),
     )
     sampled = [p.sampled for p in parts if p.sampled is not None]
-    logprobs = []
+    logprobs: list[tuple[int, _logits.StepLogprobs]] = []
     offset = 0
     for p in parts:
         logprobs.extend((offset + off, lp) for off, lp in p.logprobs)
