@@ -6,8 +6,13 @@ import asyncio
 import threading
 from typing import Any
 
+import httpx
+
+from live_server import scripted_server, sse_events
+from mlx_cairn.api import runner
 from mlx_cairn.engine.stream import RequestStream
 from mlx_cairn.types import Done, Error, TextDelta, Timings, Usage
+from scripted_model import say
 
 
 class CountingLoop(asyncio.SelectorEventLoop):
@@ -124,3 +129,28 @@ def test_a_cancelled_wait_leaves_no_waiter_behind() -> None:
     assert run(asyncio.new_event_loop(), main()) == [TextDelta("x")]
     s.cancel()
     assert cancels == [7]
+
+
+# ------------------------------------------------ large bodies parse off the loop
+
+
+def test_a_body_parsed_off_the_loop_answers_as_on_it(monkeypatch: Any) -> None:
+    """Past PARSE_OFF_LOOP_BYTES validation runs in a worker thread: same answers, same 400s."""
+    monkeypatch.setattr(runner, "PARSE_OFF_LOOP_BYTES", 1)  # every body takes that path
+    auth = {"x-api-key": "tok", "anthropic-version": "2023-06-01"}
+    with scripted_server("tok", {}) as env:
+        url = env["url"] + "/v1/messages"
+        body = {
+            "model": "scripted",
+            "max_tokens": 16,
+            "messages": [{"role": "user", "content": say("Hello")}],
+        }
+        r = httpx.post(url, json=body, headers=auth, timeout=30)
+        assert r.status_code == 200, r.text
+        assert r.json()["content"] == [{"type": "text", "text": "Hello"}]
+        s = httpx.post(url, json={**body, "stream": True}, headers=auth, timeout=30)
+        names = [n for n, _ in sse_events(s.text)]
+        assert names[0] == "message_start" and names[-1] == "message_stop"
+        bad = httpx.post(url, json={**body, "max_tokens": -1}, headers=auth, timeout=30)
+        assert bad.status_code == 400
+        assert bad.json()["error"]["type"] == "invalid_request_error"

@@ -73,6 +73,10 @@ log = logging.getLogger("mlx_cairn.api")
 #: Default seconds of silence before a keep-alive frame.
 PING_INTERVAL = 3.0
 TRAILERS_EXT = "http.response.trailers"
+#: Request bodies of this many bytes or more are checked and parsed in a worker
+#: thread: validation walks every message and tool schema, so its cost grows
+#: with the prompt, and the event loop serves every other stream meanwhile.
+PARSE_OFF_LOOP_BYTES = 64 * 1024
 #: Wire events above which a JSON answer is folded in a worker thread, so a
 #: long answer never holds the event loop (other streams, /health).
 FOLD_OFF_LOOP_EVENTS = 512
@@ -119,8 +123,10 @@ async def serve_generation(
     """
     state = app_state(request)
     body = await read_json(request)
-    check_depth(body)
-    req = parse(body, state)
+    if len(await request.body()) >= PARSE_OFF_LOOP_BYTES:  # the bytes are cached by now
+        req = await asyncio.to_thread(_check_and_parse, parse, body, state)
+    else:
+        req = _check_and_parse(parse, body, state)
     if not req.stream:
         return await _start(state, dialect, req, make_codec)
     start = asyncio.ensure_future(_start(state, dialect, req, make_codec))
@@ -138,6 +144,11 @@ async def serve_generation(
     except BaseException:
         start.cancel()
         raise
+
+
+def _check_and_parse(parse: Callable[[Any, AppState], R], body: Any, state: AppState) -> R:
+    check_depth(body)
+    return parse(body, state)
 
 
 async def _start(
