@@ -110,7 +110,7 @@ def _cpu_prefill_attention(
         if m5.dtype != mx.bool_:
             m5 = m5.astype(mx.float32) * _LOG2E  # additive, now in base-2 units
     step = max(16, min(L, _CHUNK_SCORES // max(1, B * H * T)))
-    outs = []
+    outs: list[mx.array] = []
     for i0 in range(0, L, step):
         i1 = min(L, i0 + step)
         qc = q5[:, :, :, i0:i1]
@@ -211,6 +211,6 @@ def install(model: nn.Module) -> int:
         fn = getattr(mod, "scaled_dot_product_attention", None)
         if fn is None or hasattr(fn, "_cairn_original"):
             continue
-        mod.scaled_dot_product_attention = _wrap(fn)
+        mod.scaled_dot_product_attention = _wrap(fn)  # type: ignore[attr-defined]
         patched += 1
     return patched

@@ -213,7 +213,12 @@ def apply_cpu_layout_generic(model: nn.Module, how: str | None = None) -> int:
         if _worth_it([head.weight], [blocked_head], how):
             model.lm_head = blocked_head
             changed += 1
-    elif head is None and type(embed) is nn.Embedding and embed.weight.dtype == mx.float32:
+    elif (
+        head is None
+        and isinstance(backbone, nn.Module)
+        and type(embed) is nn.Embedding
+        and embed.weight.dtype == mx.float32
+    ):
         tied = BlockedTiedEmbedding(embed.weight)
         mx.eval(tied.parameters())
         if _worth_it([embed.weight], [tied.head], how):

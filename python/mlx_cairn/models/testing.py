@@ -181,7 +181,7 @@ def mlx_lm_greedy(inner: Any, prompt: list[int], max_tokens: int, eos: set[int])
         cache = make_prompt_cache(inner)
         logits = inner(mx.array([prompt], dtype=mx.int32), cache=cache)[:, -1, :]
         while len(out) < max_tokens:
-            tok = int(mx.argmax(logits, axis=-1).item())
+            tok = int(mx.argmax(logits, axis=-1).item())  # type: ignore[arg-type]
             out.append(tok)
             if tok in eos:
                 break

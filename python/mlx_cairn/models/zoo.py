@@ -76,7 +76,7 @@ def _unsupported(model_type: object, why: str) -> ModelLoadError:
     )
 
 
-def model_classes(config: dict[str, Any]) -> tuple[type[nn.Module], type]:
+def model_classes(config: dict[str, Any]) -> tuple[Any, Any]:
     """mlx-lm's ``(Model, ModelArgs)`` for ``config`` (its remaps), or a ModelLoadError."""
     model_type = config.get("model_type")
     if not isinstance(model_type, str) or not model_type:
