@@ -147,7 +147,8 @@ def test_concurrent_mixed_clients_with_disconnects():
     finally:
         engine.close()
     print(
-        dict(tally), {k: st[k] for k in ("preemptions", "requests_cancelled", "requests_completed")}
+        dict(tally),
+        {k: getattr(st, k) for k in ("preemptions", "requests_cancelled", "requests_completed")},
     )
     assert not wrong, wrong[:5]
     assert tally["done"] > CLIENTS, tally  # every steady client finished more than once
