@@ -110,6 +110,10 @@ def _save_zoo(
     lm: LoadedModel,
 ) -> None:
     """An mlx-lm model's folder, as ``mlx_lm.convert`` writes it (mlx-lm parameter names)."""
+    from mlx_cairn.models.gguf import FreqsRoPE
+
+    if any(isinstance(m, FreqsRoPE) for _, m in model.named_modules()):
+        raise ValueError("this GGUF's per-frequency RoPE factors have no config.json equivalent")
     config = dict(model.config)
     config["eos_token_id"] = sorted(lm.eos_token_ids)
     weights = dense_parameters(model.inner)

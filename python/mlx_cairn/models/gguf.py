@@ -6,9 +6,8 @@ Two layers:
   qwen2, qwen3, qwen3moe, gemma3, phi3) into what a Hugging Face / mlx-lm
   model class takes: a ``config.json`` dict, weights under HF names, the
   tokenizer and chat template. It runs no model.
-- :func:`load_gguf` builds our own Llama-family model from that
-  (``model_type`` llama / qwen2 / qwen3); other model types are refused by
-  name until an architecture adapter takes them.
+- :func:`load_gguf` hands that to mlx-lm's class for the ``model_type``
+  (:func:`mlx_cairn.models.zoo.from_weights`), as HF folders load.
 
 Tensors, by GGUF type and backend::
 
@@ -36,22 +35,19 @@ from typing import Any
 
 import gguf
 import mlx.core as mx
+import mlx.nn as nn
 import numpy as np
 from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from mlx_cairn.chat.builtin_templates import CHATML
 from mlx_cairn.chat.tokenizer import Tokenizer
 from mlx_cairn.errors import ModelLoadError
-from mlx_cairn.models import gguf_arch
+from mlx_cairn.models import gguf_arch, hf, zoo
 from mlx_cairn.models.gguf_check import GGUFHeader, TensorInfo, read_header
 from mlx_cairn.models.gguf_tokenizer import tokenizer_from_header
 from mlx_cairn.models.loaded import LoadedModel, assemble
-from mlx_cairn.models.weights import (
-    dtype_name,
-    install_weights,
-    resolve_dtype,
-    weights_identity,
-)
+from mlx_cairn.models.weights import dtype_name, resolve_dtype, weights_identity
+from mlx_cairn.models.zoo import ZooModel
 
 Q = GGMLQuantizationType
 _FLOAT_TYPES = frozenset({Q.F32, Q.F16, Q.BF16, Q.F64})
@@ -298,45 +294,57 @@ def read_gguf(
     )
 
 
+class FreqsRoPE(nn.Module):
+    """RoPE with explicit per-pair periods: llama.cpp's ``rope_freqs.weight`` (Llama 3.1
+    long context) divides each frequency, which no ``rope_scaling`` entry spells exactly.
+    Called as mlx-lm's attention calls its rope: ``rope(x, offset=...)``."""
+
+    def __init__(self, dims: int, freqs: mx.array) -> None:
+        super().__init__()
+        self.dims = dims
+        self._freqs = freqs
+
+    def __call__(self, x: mx.array, offset: Any = 0) -> mx.array:
+        return mx.fast.rope(
+            x, self.dims, traditional=False, base=None, scale=1.0, offset=offset, freqs=self._freqs
+        )
+
+
+def _install_rope_freqs(model: ZooModel, config: dict[str, Any], divisors: mx.array) -> None:
+    d = int(config["head_dim"])
+    freqs = float(config["rope_theta"]) ** (mx.arange(0, d, 2, dtype=mx.float32) / d) * divisors
+    layers = getattr(model.inner, "layers", None) or []
+    for layer in layers:
+        attn = getattr(layer, "self_attn", None)
+        if attn is None or "rope" not in attn:
+            raise ModelLoadError(
+                f"GGUF rope_freqs.weight has no place in {config['model_type']}'s attention"
+            )
+        attn.rope = FreqsRoPE(d, freqs)
+
+
 def load_gguf(
     path: Path, *, dtype: str = "auto", keep_quantized: bool | None = None
 ) -> LoadedModel:
-    """Load a ``.gguf`` file into our Llama-family model; anything unreadable is a :class:`ModelLoadError`."""
-    from mlx_cairn.models.llama import SUPPORTED_MODEL_TYPES, LlamaModel, ModelArgs
+    """Load a ``.gguf`` file into mlx-lm's class for its architecture (models/zoo.py).
 
+    Every architecture :func:`read_gguf` maps (:data:`gguf_arch.ARCHS`) loads;
+    anything else, or anything unreadable, is a :class:`ModelLoadError`.
+    """
     header = read_header(path)
-    arch = header.metadata.get("general.architecture")
-    spec = gguf_arch.ARCHS.get(arch) if isinstance(arch, str) else None
-    if spec is None or spec.model_type not in SUPPORTED_MODEL_TYPES:
-        runnable = sorted(
-            a for a, s in gguf_arch.ARCHS.items() if s.model_type in SUPPORTED_MODEL_TYPES
-        )
-        named = f"{arch!r}" + (f" (model_type {spec.model_type})" if spec else "")
-        raise ModelLoadError(
-            f"unsupported model architecture {named} in GGUF; supported: {', '.join(runnable)}"
-        )
+    gguf_arch.arch_spec(header.metadata)  # an unsupported architecture is named first
     # GGUF norms are F32: "auto" computes in fp32 (dequantized on CPU, quantized on GPU).
     compute, dequant = resolve_dtype(dtype, mx.float32)
     if keep_quantized is not None:
         dequant = not keep_quantized
-    # Our Llama runs llama.cpp's interleaved Q/K rows as they are (rope_traditional).
     contents = read_gguf(
-        path, keep_quantized=not dequant, dtype=compute, qk_order="gguf", header=header
+        path, keep_quantized=not dequant, dtype=compute, qk_order="hf", header=header
     )
-    config = dict(contents.config)
-    config.pop("quantization", None)
-    args = ModelArgs.from_config(config)
-    tag = dtype_name(compute) + ("+q" if contents.quantization else "")
-    model = LlamaModel(args)
-    spec_q = contents.quantization.get if contents.quantization else None
-    install_weights(model, contents.weights, spec_q)
+    config = contents.config
+    model = zoo.from_weights(config, contents.weights, compute=compute, dequant=dequant)
     if contents.rope_freqs is not None:
-        # Llama 3.1 GGUFs store the long-context scaling as per-frequency divisors.
-        d = args.head_dim or 0
-        freqs = args.rope_theta ** (mx.arange(0, d, 2, dtype=mx.float32) / d) * contents.rope_freqs
-        for layer in model.model.layers:
-            layer.self_attn.rope.set_freqs(freqs)
-        args.extra["rope_freqs_from_gguf"] = True
+        _install_rope_freqs(model, config, contents.rope_freqs)
+    tag = dtype_name(compute) + ("+q" if contents.quantization and not dequant else "")
     name = path.name.removesuffix(".gguf")
     return assemble(
         name=name,
@@ -344,7 +352,7 @@ def load_gguf(
         tokenizer=contents.tokenizer,
         template_source=contents.chat_template or CHATML,
         eos_token_ids=contents.eos_token_ids,
-        context_length=args.max_position_embeddings,
+        context_length=hf.context_length(config),
         identity=f"{name}@{weights_identity([path], tag)}:{tag}",
         path=str(path),
         source_format="gguf",
