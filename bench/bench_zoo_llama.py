@@ -1,8 +1,10 @@
 """Hand-written Llama (models/llama.py) vs mlx-lm's llama class, both over the paged engine.
 
-The embedded SmolLM2-135M GGUF, dequantized to fp32; the mlx-lm side gets the
-same weights in the HF layout (models/export.dense_hf_weights) and runs through
-models/zoo.ZooModel. One process, interleaved runs, EOS ignored:
+The embedded SmolLM2-135M GGUF, dequantized to fp32. "mlx-lm llama" is what
+``load(None)`` gives (models/gguf.load_gguf -> models/zoo, Q/K in HF order);
+"llama.py" is the loader it replaced (the same read_gguf weights in GGUF's
+interleaved Q/K order, installed into models/llama.LlamaModel with its CPU
+layout). One process, interleaved runs, EOS ignored:
 
 - single-stream decode tokens/s (one request, ``--tokens`` generated);
 - aggregate tokens/s of 8 concurrent requests (wall time, prefill included);
@@ -29,8 +31,8 @@ import mlx.core as mx
 # isort: on
 from mlx_cairn.engine import Engine
 from mlx_cairn.models import load
-from mlx_cairn.models.export import dense_hf_weights
-from mlx_cairn.models.zoo import build_model, finish
+from mlx_cairn.models.gguf import read_gguf
+from mlx_cairn.models.loader import default_model_path
 from mlx_cairn.types import ChatRequest, Done, Message, SamplingParams
 
 GREEDY = SamplingParams(temperature=0.0)
@@ -127,6 +129,19 @@ def micro(models: dict[str, object], reps: int, prefill: int) -> None:
         )
 
 
+def llama_py_model() -> object:
+    """The default model as load_gguf built it before it went through models/zoo."""
+    from mlx_cairn.models.llama import LlamaModel, ModelArgs
+    from mlx_cairn.models.weights import install_weights
+
+    contents = read_gguf(default_model_path(), qk_order="gguf")
+    config = dict(contents.config)
+    config.pop("quantization", None)
+    model = LlamaModel(ModelArgs.from_config(config))
+    install_weights(model, contents.weights, None)
+    return model
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--micro", action="store_true", help="forward passes only, best of --reps")
@@ -136,17 +151,13 @@ def main() -> None:
     args = ap.parse_args()
 
     ours = load(None)
-    config = ours.model.args.to_config()
-    config["model_type"] = "llama"
-    zoo = finish(
-        build_model(config, dense_hf_weights(ours.model)), config, compute=mx.float32, dequant=False
-    )
+    old = llama_py_model()
     if args.micro:
-        micro({"llama.py": ours.model, "mlx-lm llama": zoo}, args.reps, args.prefill)
+        micro({"llama.py": old, "mlx-lm llama": ours.model}, args.reps, args.prefill)
         return
     sides = {
-        "llama.py": dataclasses.replace(ours, eos_token_ids=set()),
-        "mlx-lm llama": dataclasses.replace(ours, model=zoo, eos_token_ids=set()),
+        "llama.py": dataclasses.replace(ours, model=old, eos_token_ids=set()),  # type: ignore[arg-type]
+        "mlx-lm llama": dataclasses.replace(ours, eos_token_ids=set()),
     }
     para = "The trail climbs past cairns and a stream; it is closed in deep snow. "
     system = para * (args.prefill // len(ours.tokenizer.encode(para)))
