@@ -86,7 +86,7 @@ FOLD_OFF_LOOP_EVENTS = 512
 class Generation:
     """A submitted request: the engine's event stream and the prompt size."""
 
-    stream: Any  # mlx_cairn.engine RequestStream: async iterator + cancel()
+    stream: Any  # mlx_cairn.engine RequestStream: next_batch(), interrupt(), drained, cancel()
     input_tokens: int
     model: ServedModel
 
