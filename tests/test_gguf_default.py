@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from mlx_cairn.engine.reference import generate_tokens
-from mlx_cairn.models.cpu_layout import dense_parameters
+from mlx_cairn.models.cpu_layout import hf_parameters
 from mlx_cairn.models.gguf_check import read_header
 from mlx_cairn.models.loader import default_model_path
 from mlx_cairn.types import ChatRequest, Message, SamplingParams
@@ -48,15 +48,8 @@ _RENAME = {
 }
 
 
-def _split_half(w: np.ndarray, n_heads: int) -> np.ndarray:
-    """GGUF's interleaved RoPE rows in HF's split-half order (a pure row permutation)."""
-    hd = w.shape[0] // n_heads
-    return w.reshape(n_heads, hd // 2, 2, -1).swapaxes(1, 2).reshape(w.shape)
-
-
 def _old_loader_weights() -> dict[str, np.ndarray]:
-    """What the mx.load loader installed (MLX's reader, fp32 scales, mx.dequantize), with
-    Q/K rows in HF's order, as mlx-lm's llama takes them (SmolLM2: 9 query, 3 KV heads)."""
+    """What the mx.load loader installed: MLX's reader, fp32 scales, mx.dequantize."""
     raw, _ = mx.load(str(default_model_path()), return_metadata=True)
     out = {}
     for k, v in raw.items():
@@ -77,15 +70,12 @@ def _old_loader_weights() -> dict[str, np.ndarray]:
                 "token_embd.weight": "model.embed_tokens.weight",
                 "output_norm.weight": "model.norm.weight",
             }[k]
-        w = np.array(v.astype(mx.float32))
-        if ".q_proj." in name or ".k_proj." in name:
-            w = _split_half(w, 9 if ".q_proj." in name else 3)
-        out[name] = w
+        out[name] = np.array(v.astype(mx.float32))
     return out
 
 
 def test_weights_equal_the_mx_load_loader_bit_for_bit(default_model):
-    new = {k: np.array(v) for k, v in dense_parameters(default_model.model.inner).items()}
+    new = {k: np.array(v) for k, v in hf_parameters(default_model.model).items()}
     old = _old_loader_weights()
     assert set(new) == set(old)
     for k in old:

@@ -17,8 +17,7 @@ def test_identity_and_metadata(default_model):
     assert lm.identity.startswith("SmolLM2-135M-Instruct.Q4_1@") and lm.identity.endswith(
         ":float32"
     )
-    # mlx-lm's llama, Q/K rows in HF's split-half order (read_gguf un-permutes them).
-    assert lm.model.model_type == "llama" and not lm.model.args.rope_traditional
+    assert lm.model.args.rope_traditional
     assert (lm.model.num_layers, lm.model.num_kv_heads, lm.model.head_dim) == (30, 3, 64)
     assert lm.model.vocab_size == lm.tokenizer.vocab_size == 49152
     assert lm.tokenizer.token_to_id("<|im_end|>") in lm.eos_token_ids

@@ -7,7 +7,8 @@ Two layers:
   model class takes: a ``config.json`` dict, weights under HF names, the
   tokenizer and chat template. It runs no model.
 - :func:`load_gguf` hands that to mlx-lm's class for the ``model_type``
-  (:func:`mlx_cairn.models.zoo.from_weights`), as HF folders load.
+  (:func:`mlx_cairn.models.zoo.from_weights`), as HF folders load; GGUF
+  llama files still run models/llama.py (:data:`LLAMA_PY_ARCHS`).
 
 Tensors, by GGUF type and backend::
 
@@ -323,27 +324,70 @@ def _install_rope_freqs(model: ZooModel, config: dict[str, Any], divisors: mx.ar
         attn.rope = FreqsRoPE(d, freqs)
 
 
+#: GGUF architectures that still run the hand-written models/llama.py: its 2,000-token
+#: prefill measured 7-9% faster than mlx-lm's llama over the same cache on the default
+#: model (decode was slower; bench/RESULTS.md, "GGUF through the zoo").
+LLAMA_PY_ARCHS = frozenset({"llama"})
+
+
+def _llama_py_runs(arch: str, config: dict[str, Any]) -> bool:
+    rs = config.get("rope_scaling") or {}
+    return arch in LLAMA_PY_ARCHS and rs.get("rope_type", rs.get("type")) in (None, "linear")
+
+
+def _llama_py_model(contents: GGUFContents) -> Any:
+    """models/llama.py over llama.cpp's interleaved Q/K rows as they are (rope_traditional)."""
+    from mlx_cairn.models.llama import LlamaModel, ModelArgs
+    from mlx_cairn.models.weights import install_weights
+
+    config = dict(contents.config)
+    config.pop("quantization", None)
+    args = ModelArgs.from_config(config)
+    model = LlamaModel(args)
+    install_weights(
+        model, contents.weights, contents.quantization.get if contents.quantization else None
+    )
+    if contents.rope_freqs is not None:
+        # Llama 3.1 GGUFs store the long-context scaling as per-frequency divisors.
+        d = args.head_dim or 0
+        freqs = args.rope_theta ** (mx.arange(0, d, 2, dtype=mx.float32) / d) * contents.rope_freqs
+        for layer in model.model.layers:
+            layer.self_attn.rope.set_freqs(freqs)
+        args.extra["rope_freqs_from_gguf"] = True
+    return model
+
+
 def load_gguf(
     path: Path, *, dtype: str = "auto", keep_quantized: bool | None = None
 ) -> LoadedModel:
-    """Load a ``.gguf`` file into mlx-lm's class for its architecture (models/zoo.py).
+    """Load a ``.gguf`` file into mlx-lm's class for its architecture (models/zoo.py), or
+    for :data:`LLAMA_PY_ARCHS` into models/llama.py.
 
     Every architecture :func:`read_gguf` maps (:data:`gguf_arch.ARCHS`) loads;
     anything else, or anything unreadable, is a :class:`ModelLoadError`.
     """
     header = read_header(path)
-    gguf_arch.arch_spec(header.metadata)  # an unsupported architecture is named first
+    arch, _ = gguf_arch.arch_spec(header.metadata)  # an unsupported architecture is named first
     # GGUF norms are F32: "auto" computes in fp32 (dequantized on CPU, quantized on GPU).
     compute, dequant = resolve_dtype(dtype, mx.float32)
     if keep_quantized is not None:
         dequant = not keep_quantized
+    order = "gguf" if arch in LLAMA_PY_ARCHS else "hf"
     contents = read_gguf(
-        path, keep_quantized=not dequant, dtype=compute, qk_order="hf", header=header
+        path, keep_quantized=not dequant, dtype=compute, qk_order=order, header=header
     )
     config = contents.config
-    model = zoo.from_weights(config, contents.weights, compute=compute, dequant=dequant)
-    if contents.rope_freqs is not None:
-        _install_rope_freqs(model, config, contents.rope_freqs)
+    model: Any
+    if order == "gguf" and not _llama_py_runs(arch, config):
+        # A RoPE scaling llama.py lacks: mlx-lm's llama, Q/K rows back in HF's order.
+        contents = read_gguf(path, keep_quantized=not dequant, dtype=compute, header=header)
+        config = contents.config
+    if _llama_py_runs(arch, config):
+        model = _llama_py_model(contents)
+    else:
+        model = zoo.from_weights(config, contents.weights, compute=compute, dequant=dequant)
+        if contents.rope_freqs is not None:
+            _install_rope_freqs(model, config, contents.rope_freqs)
     tag = dtype_name(compute) + ("+q" if contents.quantization and not dequant else "")
     name = path.name.removesuffix(".gguf")
     return assemble(
