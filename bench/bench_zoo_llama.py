@@ -1,10 +1,11 @@
 """Hand-written Llama (models/llama.py) vs mlx-lm's llama class, both over the paged engine.
 
-The embedded SmolLM2-135M GGUF, dequantized to fp32. "mlx-lm llama" is what
-``load(None)`` gives (models/gguf.load_gguf -> models/zoo, Q/K in HF order);
-"llama.py" is the loader it replaced (the same read_gguf weights in GGUF's
-interleaved Q/K order, installed into models/llama.LlamaModel with its CPU
-layout). One process, interleaved runs, EOS ignored:
+The embedded SmolLM2-135M GGUF, dequantized to fp32. "llama.py" is what
+``load(None)`` gives (read_gguf's weights in GGUF's interleaved Q/K order in
+models/llama.LlamaModel with its CPU layout); "mlx-lm llama" is the same file
+as load_gguf builds every other architecture (Q/K in HF order,
+models/zoo.from_weights: mlx-lm's class with the same CPU layout and prefill
+attention). One process, interleaved runs, EOS ignored:
 
 - single-stream decode tokens/s (one request, ``--tokens`` generated);
 - aggregate tokens/s of 8 concurrent requests (wall time, prefill included);
@@ -129,17 +130,12 @@ def micro(models: dict[str, object], reps: int, prefill: int) -> None:
         )
 
 
-def llama_py_model() -> object:
-    """The default model as load_gguf built it before it went through models/zoo."""
-    from mlx_cairn.models.llama import LlamaModel, ModelArgs
-    from mlx_cairn.models.weights import install_weights
+def zoo_model() -> object:
+    """The default model in mlx-lm's llama, as load_gguf builds every other GGUF architecture."""
+    from mlx_cairn.models import zoo
 
-    contents = read_gguf(default_model_path(), qk_order="gguf")
-    config = dict(contents.config)
-    config.pop("quantization", None)
-    model = LlamaModel(ModelArgs.from_config(config))
-    install_weights(model, contents.weights, None)
-    return model
+    contents = read_gguf(default_model_path(), qk_order="hf")
+    return zoo.from_weights(contents.config, contents.weights, compute=mx.float32, dequant=False)
 
 
 def main() -> None:
@@ -150,14 +146,14 @@ def main() -> None:
     ap.add_argument("--prefill", type=int, default=2000)
     args = ap.parse_args()
 
-    ours = load(None)
-    old = llama_py_model()
+    ours = load(None)  # GGUF llama: models/llama.py (models/gguf.LLAMA_PY_ARCHS)
+    other = zoo_model()
     if args.micro:
-        micro({"llama.py": old, "mlx-lm llama": ours.model}, args.reps, args.prefill)
+        micro({"llama.py": ours.model, "mlx-lm llama": other}, args.reps, args.prefill)
         return
     sides = {
-        "llama.py": dataclasses.replace(ours, model=old, eos_token_ids=set()),  # type: ignore[arg-type]
-        "mlx-lm llama": dataclasses.replace(ours, eos_token_ids=set()),
+        "llama.py": dataclasses.replace(ours, eos_token_ids=set()),
+        "mlx-lm llama": dataclasses.replace(ours, model=other, eos_token_ids=set()),  # type: ignore[arg-type]
     }
     para = "The trail climbs past cairns and a stream; it is closed in deep snow. "
     system = para * (args.prefill // len(ours.tokenizer.encode(para)))
