@@ -17,7 +17,40 @@ from spm_reference import spm_encode
 SPECIAL = ["<pad>", "<eos>", "<bos>", "<unk>", "<start_of_turn>", "<end_of_turn>"]
 #: Gemma keeps whitespace runs as user-defined pieces, spelled with real spaces/newlines.
 USER = ["\n", "\n\n", "  ", "   ", "\t"]
-PIECES = ["▁", "t", "h", "e", "a", "c", "s", "i", "n", "o", "l", "r", "é", "▁t", "he", "▁the", "at", "▁c", "▁cat", "▁a", "in", "▁in", "is", "▁is", "lo", "ll", "▁h", "▁he", "ch", "▁ch", "▁s", "▁sh"]
+PIECES = [
+    "▁",
+    "t",
+    "h",
+    "e",
+    "a",
+    "c",
+    "s",
+    "i",
+    "n",
+    "o",
+    "l",
+    "r",
+    "é",
+    "▁t",
+    "he",
+    "▁the",
+    "at",
+    "▁c",
+    "▁cat",
+    "▁a",
+    "in",
+    "▁in",
+    "is",
+    "▁is",
+    "lo",
+    "ll",
+    "▁h",
+    "▁he",
+    "ch",
+    "▁ch",
+    "▁s",
+    "▁sh",
+]
 
 
 def _meta() -> dict:
