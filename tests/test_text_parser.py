@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import json
+from typing import get_args
 
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
 from _text_helpers import FRAGMENTS, chunked, chunks_of, model_text, run_parser
-from mlx_cairn.text import FAMILIES, OutputParser, Segment, coalesce, parse_output
+from mlx_cairn.text import FAMILIES, Family, OutputParser, Segment, coalesce, parse_output
 
 SIZES = (1, 2, 3, 5, 8)
 WEATHER = '{"name": "get_weather", "arguments": {"city": "NYC"}}'
@@ -179,6 +180,7 @@ def test_parser_api_errors() -> None:
         "minimax_m2",
         "pythonic",
     }
+    assert set(get_args(Family)) == set(FAMILIES)  # the typed names are the parser's
     p = OutputParser(family="llama3", reasoning=True)
     assert (p.family, p.reasoning, p.starts_in_reasoning) == ("llama3", True, False)
 

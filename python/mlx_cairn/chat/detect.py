@@ -25,19 +25,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-PARSER_FAMILIES = (
-    "hermes",
-    "qwen3_coder",
-    "llama3",
-    "mistral",
-    "harmony",
-    "glm45",
-    "deepseek_v3",
-    "kimi_k2",
-    "gemma4",
-    "minimax_m2",
-    "pythonic",
-)
+from mlx_cairn._core import FAMILIES
+
+#: Every output-parser family (the Rust parser's list).
+PARSER_FAMILIES: tuple[str, ...] = tuple(FAMILIES)
 
 #: (family, markers any of which in the template source identifies it). Checked
 #: in order before the older families: GLM-4.5 and MiniMax templates also
