@@ -92,10 +92,6 @@ class RowProcessors:
     def penalized(self) -> bool:
         return self.repetition != 1.0 or self.frequency != 0.0 or self.presence != 0.0
 
-    @property
-    def needs_host_token(self) -> bool:
-        return any(m.needs_host_token for m in self.extra)
-
     def output_counts(self, seq: Sequence) -> mx.array:
         """[V] counts of every output token, those in flight included (lazy)."""
         known = seq.tokens[seq.num_prompt :]
