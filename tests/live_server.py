@@ -3,13 +3,18 @@
 from __future__ import annotations
 
 import json
+import os
 import socket
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
 
+import httpx
 import uvicorn
 
 from mlx_cairn.api import ModelRegistry, ServerConfig, create_app
@@ -78,6 +83,43 @@ def serve(registry: ModelRegistry, config: ServerConfig | None = None) -> Iterat
         yield srv
     finally:
         srv.stop()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@contextmanager
+def cairn_serve(args: list[str], log: Path) -> Iterator[tuple[str, subprocess.Popen[bytes]]]:
+    """A real ``cairn serve`` process on a free loopback port (no API key), up and
+    answering /health; yields (url, process) and kills it on exit if still running."""
+    port = free_port()
+    cmd = [
+        sys.executable, "-m", "mlx_cairn.cli", "serve", "--host", "127.0.0.1",
+        "--port", str(port), *args,
+    ]  # fmt: skip
+    env = {k: v for k, v in os.environ.items() if k != "CAIRN_API_KEY"}
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            assert proc.poll() is None, log.read_text()
+            try:
+                if httpx.get(url + "/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert time.monotonic() < deadline, "cairn serve did not start"
+            time.sleep(0.2)
+        yield url, proc
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
 
 
 def registry_for(models: dict[str, Any], **kwargs: Any) -> ModelRegistry:

@@ -12,9 +12,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
-import subprocess
-import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -24,6 +21,7 @@ from typing import Any
 import httpx
 import pytest
 
+from live_server import cairn_serve
 from mlx_cairn.models.export import save_folder
 from mlx_cairn.models.testing import tiny_model
 
@@ -33,12 +31,6 @@ pytestmark = pytest.mark.timeout(180)
 GRACE = 1.0
 #: Generous slack for a loaded machine (the engine thread joins, frames flush).
 SLACK = 20.0
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @pytest.fixture(scope="module")
@@ -51,33 +43,13 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture
 def server(model_dir: Path, tmp_path: Path) -> Iterator[dict[str, Any]]:
-    port = free_port()
     log = tmp_path / "serve.log"
-    cmd = [
-        sys.executable, "-m", "mlx_cairn.cli", "serve", "--host", "127.0.0.1", "--port", str(port),
+    args = [
         "--model", str(model_dir / "tiny"), "--model", str(model_dir / "broken.gguf"),
         "--kv-cache-gb", "0.05", "--log-level", "warning", "--shutdown-grace", str(GRACE),
     ]  # fmt: skip
-    env = {k: v for k, v in os.environ.items() if k != "CAIRN_API_KEY"}
-    with open(log, "wb") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 120
-        while True:
-            assert proc.poll() is None, log.read_text()
-            try:
-                if httpx.get(url + "/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert time.monotonic() < deadline, "cairn serve did not start"
-            time.sleep(0.2)
+    with cairn_serve(args, log) as (url, proc):
         yield {"url": url, "proc": proc, "log": log}
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait(10)
 
 
 BODIES = {

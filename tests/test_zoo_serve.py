@@ -8,20 +8,15 @@ produces for the same request.
 
 from __future__ import annotations
 
-import os
-import socket
-import subprocess
-import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import anthropic
-import httpx
 import openai
 import pytest
 
+from live_server import cairn_serve
 from mlx_cairn.engine import Engine
 from mlx_cairn.engine.testing import closing_at_rest
 from mlx_cairn.models import load
@@ -37,12 +32,6 @@ PROMPT = "What is the capital of France?"
 MAX_TOKENS = 12
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     root = tmp_path_factory.mktemp("zoo")
@@ -53,32 +42,10 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def server(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    port = free_port()
     log = tmp_path_factory.mktemp("log") / "serve.log"
     models = [a for mt in FAMILIES for a in ("--model", str(model_dir / mt))]
-    cmd = [
-        sys.executable, "-m", "mlx_cairn.cli", "serve", "--host", "127.0.0.1",
-        "--port", str(port), *models, "--kv-cache-gb", "0.05", "--log-level", "warning",
-    ]  # fmt: skip
-    env = {k: v for k, v in os.environ.items() if k != "CAIRN_API_KEY"}
-    with open(log, "wb") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 120
-        while True:
-            assert proc.poll() is None, log.read_text()
-            try:
-                if httpx.get(url + "/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert time.monotonic() < deadline, "cairn serve did not start"
-            time.sleep(0.2)
+    with cairn_serve([*models, "--kv-cache-gb", "0.05", "--log-level", "warning"], log) as (url, _):
         yield url
-    finally:
-        proc.kill()
-        proc.wait(10)
 
 
 def engine_text(folder: Path) -> str:
