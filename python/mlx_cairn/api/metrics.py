@@ -153,6 +153,17 @@ class _EngineCollector:
         outcomes = counter(
             "cairn_engine_requests", "Engine requests by outcome.", ["model", "outcome"]
         )
+        snaps = gauge(
+            "cairn_state_snapshots", "Recurrent-state prefix snapshots stored.", ["model"]
+        )
+        snap_bytes = gauge(
+            "cairn_state_snapshot_bytes", "Bytes of the stored state snapshots.", ["model"]
+        )
+        snap_hits = counter(
+            "cairn_state_snapshot_hit_tokens",
+            "Prompt tokens skipped by restoring a state snapshot.",
+            ["model"],
+        )
         memory = gauge(
             "cairn_model_memory_bytes", "Weights + KV pool of a loaded model.", ["model"]
         )
@@ -186,7 +197,11 @@ class _EngineCollector:
             outcomes.add_metric([name, "completed"], float(st.requests_completed))
             outcomes.add_metric([name, "failed"], float(st.requests_failed))
             outcomes.add_metric([name, "cancelled"], float(st.requests_cancelled))
+            snaps.add_metric([name], float(st.state_snapshots))
+            snap_bytes.add_metric([name], float(st.state_snapshot_bytes))
+            snap_hits.add_metric([name], float(st.state_snapshot_hit_tokens))
         yield from (loaded, queue, running, blocks, total, hits, generated, preempt, outcomes)
+        yield from (snaps, snap_bytes, snap_hits)
         yield from (memory, last_used, load_s, loads, unloads)
 
 

@@ -40,6 +40,7 @@ from mlx_cairn.engine.paged import KVPools, LayerSpec, pool_blocks
 from mlx_cairn.engine.runner import ModelRunner, SampledStep, StepOutput, merge_outputs
 from mlx_cairn.engine.scheduler import Scheduler, StepPlan
 from mlx_cairn.engine.sequence import PreparedRequest, Sequence
+from mlx_cairn.engine.state import DEFAULT_INTERVAL_BLOCKS, StateSlots
 from mlx_cairn.engine.stats import EngineStats
 from mlx_cairn.engine.stream import RequestStream
 from mlx_cairn.engine.update import RowResult, StateUpdate
@@ -48,6 +49,9 @@ from mlx_cairn.kv import BlockPool, PrefixCache
 from mlx_cairn.types import ChatRequest, Error, Event
 
 log = logging.getLogger("mlx_cairn.engine")
+
+#: Default memory for the state snapshots of a hybrid model.
+DEFAULT_SNAPSHOT_BYTES = 1 << 30
 
 _live_engines: weakref.WeakSet[Engine] = weakref.WeakSet()
 
@@ -76,6 +80,11 @@ class Engine:
         step_token_budget: tokens per step: one per decoding sequence, the rest
             goes to chunked prefill.
         kv_dtype: pool dtype; default fp32 on CPU, the model's dtype otherwise.
+        state_snapshots: models with recurrent layers (hybrids): prefix snapshots
+            of their state kept at most (engine/state.py). Default: what
+            :data:`DEFAULT_SNAPSHOT_BYTES` holds (at least 4, at most 256); with
+            ``kv_cache_gb`` the snapshots' memory is taken from that budget.
+        snapshot_interval: snapshot points every this many blocks of a prompt.
     """
 
     def __init__(
@@ -89,6 +98,8 @@ class Engine:
         max_batch: int = 16,
         step_token_budget: int = 512,
         kv_dtype: mx.Dtype | None = None,
+        state_snapshots: int | None = None,
+        snapshot_interval: int = DEFAULT_INTERVAL_BLOCKS,
     ) -> None:
         for name, val in (
             ("block_size", block_size),
@@ -109,6 +120,29 @@ class Engine:
             or [LayerSpec(model.num_kv_heads, model.head_dim, model.head_dim)] * model.num_layers
         )
         per_block = KVPools.block_bytes(layer_specs, block_size, kv_dtype.size)
+        slot_bytes = KVPools.slot_bytes(layer_specs)
+        states: StateSlots | None = None
+        if slot_bytes:
+            if state_snapshots is None:
+                budget = DEFAULT_SNAPSHOT_BYTES
+                if kv_cache_gb is not None:
+                    budget = min(budget, int(kv_cache_gb * (1 << 30)) // 4)
+                state_snapshots = min(256, max(4, budget // slot_bytes))
+            if not isinstance(state_snapshots, int) or state_snapshots < 0:
+                raise ValueError(f"state_snapshots must be >= 0, got {state_snapshots!r}")
+            # Slot 0 (zeros), two per sequence, the snapshots, and room for the
+            # snapshots a step writes before they join the store.
+            num_slots = 1 + 3 * max_batch + state_snapshots
+            states = StateSlots(
+                num_slots,
+                capacity=state_snapshots,
+                interval=snapshot_interval,
+                slot_bytes=slot_bytes,
+            )
+            if kv_cache_gb is not None:
+                kv_cache_gb = max(
+                    kv_cache_gb - num_slots * slot_bytes / (1 << 30), per_block * 2 / (1 << 30)
+                )
         num_blocks = pool_blocks(
             per_block,
             num_blocks=num_blocks,
@@ -125,11 +159,16 @@ class Engine:
             num_blocks=num_blocks,
             block_size=block_size,
             dtype=kv_dtype,
+            num_slots=states.num_slots if states is not None else 0,
         )
         self._pool = BlockPool(num_blocks=num_blocks, block_size=block_size)
         self._cache = PrefixCache(self._pool)
         self._scheduler = Scheduler(
-            self._pool, self._cache, max_batch=max_batch, step_token_budget=step_token_budget
+            self._pool,
+            self._cache,
+            max_batch=max_batch,
+            step_token_budget=step_token_budget,
+            states=states,
         )
         _materialize(model)
         self._runner = ModelRunner(model, self._pools)
@@ -495,6 +534,13 @@ class Engine:
             self._pool = BlockPool(num_blocks=p.num_blocks, block_size=p.block_size)
             self._cache = PrefixCache(self._pool)
             self._scheduler.pool, self._scheduler.cache = self._pool, self._cache
+            if (st := self._scheduler.states) is not None:
+                self._scheduler.states = StateSlots(
+                    st.num_slots,
+                    capacity=st.capacity,
+                    interval=st.interval,
+                    slot_bytes=st.slot_bytes,
+                )
 
     def _snapshot_stats(self) -> None:
         c = self._cache.stats()
@@ -517,6 +563,16 @@ class Engine:
             requests_failed=up.failed,
             requests_cancelled=up.cancelled,
         )
+        if (st := sched.states) is not None:
+            snap = replace(
+                snap,
+                state_slots_total=st.num_slots - 1,
+                state_snapshots=st.num_snapshots,
+                state_snapshot_bytes=st.snapshot_bytes,
+                state_cache_bytes=self._pools.state_nbytes,
+                state_snapshot_hits=st.hits,
+                state_snapshot_hit_tokens=st.hit_tokens,
+            )
         with self._lock:
             self._stats = snap
 

@@ -12,6 +12,16 @@ writes the new K/V rows at their slots, then gathers each row's blocks into
 a contiguous ``[B, kv_heads, T, head_dim]`` view (T = the longest row's block
 count x block_size; shorter rows are padded with the null block and masked)
 for ``mx.fast.scaled_dot_product_attention``.
+
+Recurrent layers (hybrids: Gated DeltaNet, Mamba, short convolutions) keep a
+fixed-size state per sequence instead of KV rows. Their arrays live in state
+slots, ``[num_slots, *entry shape]`` per state entry; slot 0 is all zeros (a
+fresh sequence reads it). A step reads each row's state from one slot and
+writes the new state to one or more slots (its own, and a snapshot slot when
+the row ends on a snapshot point; see engine/state.py)::
+
+    read   pools.state[layer][e][read_slots]          -> [B, *shape] (mlx-lm ArraysCache)
+    write  pools.state[layer][e][write_slot] = new[b]  (after the whole graph is built)
 """
 
 from __future__ import annotations
@@ -19,6 +29,7 @@ from __future__ import annotations
 import os
 import sys
 from collections.abc import Sequence as Seq
+from typing import Any
 
 import mlx.core as mx
 import numpy as np
@@ -100,12 +111,14 @@ def pool_blocks(
 
 
 class KVPools:
-    """Per-layer K/V block pools (MLX arrays), sized once, never grown.
+    """Per-layer K/V block pools and recurrent state slots (MLX arrays), sized once.
 
-    Layer ``i`` owns ``k[i]`` ``[num_blocks, block_size, kv_heads, k_dim]`` and
-    ``v[i]`` ``[num_blocks, block_size, kv_heads, v_dim]`` from ``layers[i]``.
-    Every layer has every block, so one block id means the same positions in
-    all layers. ``layers`` may be omitted for a uniform model
+    Layer ``i`` with KV owns ``k[i]`` ``[num_blocks, block_size, kv_heads, k_dim]``
+    and ``v[i]`` ``[num_blocks, block_size, kv_heads, v_dim]`` from ``layers[i]``.
+    Every KV layer has every block, so one block id means the same positions in
+    all layers. A recurrent layer owns ``state[i]``: one ``[num_slots, *shape]``
+    array per entry of its spec (``k[i]`` / ``v[i]`` are None when it has no KV).
+    ``layers`` may be omitted for a uniform model
     (``num_layers`` x ``num_kv_heads`` x ``head_dim``).
     """
 
@@ -119,6 +132,7 @@ class KVPools:
         num_layers: int | None = None,
         num_kv_heads: int | None = None,
         head_dim: int | None = None,
+        num_slots: int = 0,
     ) -> None:
         if num_blocks < 2:
             raise ValueError(
@@ -135,14 +149,29 @@ class KVPools:
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.dtype = dtype
+        self.num_slots = num_slots if any(s.state for s in self.layers) else 0
         self.reset()
 
     def reset(self) -> None:
         """Fresh zeroed pools (pending writes to the old ones are dropped)."""
         n, bs = self.num_blocks, self.block_size
-        self.k = [mx.zeros((n, bs, s.kv_heads, s.k_dim), dtype=self.dtype) for s in self.layers]
-        self.v = [mx.zeros((n, bs, s.kv_heads, s.v_dim), dtype=self.dtype) for s in self.layers]
-        mx.eval(self.k, self.v)  # commit the memory now, not at the first step
+
+        def kv(s: LayerSpec, d: int) -> mx.array | None:
+            return mx.zeros((n, bs, s.kv_heads, d), dtype=self.dtype) if s.has_kv else None
+
+        self.k = [kv(s, s.k_dim) for s in self.layers]
+        self.v = [kv(s, s.v_dim) for s in self.layers]
+        self.state: list[list[mx.array] | None] = [
+            [mx.zeros((self.num_slots, *e.shape), dtype=e.dtype) for e in s.state]
+            if s.state
+            else None
+            for s in self.layers
+        ]
+        mx.eval(self.arrays())  # commit the memory now, not at the first step
+
+    @property
+    def has_state(self) -> bool:
+        return self.num_slots > 0
 
     @staticmethod
     def bytes_per_block(
@@ -156,13 +185,28 @@ class KVPools:
         """K + V bytes one block takes across ``layers``."""
         return block_size * sum(s.bytes_per_token(itemsize) for s in layers)
 
+    @staticmethod
+    def slot_bytes(layers: Seq[LayerSpec]) -> int:
+        """Bytes of one state slot across ``layers`` (0 for a model without recurrent layers)."""
+        return sum(s.state_bytes for s in layers)
+
     @property
     def nbytes(self) -> int:
-        return sum(a.nbytes for a in self.k) + sum(a.nbytes for a in self.v)
+        """Bytes of the KV pools."""
+        return sum(a.nbytes for a in (*self.k, *self.v) if a is not None)
+
+    @property
+    def state_nbytes(self) -> int:
+        """Bytes of the state slots."""
+        return sum(a.nbytes for arrs in self.state if arrs for a in arrs)
 
     def arrays(self) -> list[mx.array]:
         """Every pool array (to evaluate after a step)."""
-        return [*self.k, *self.v]
+        out = [a for a in (*self.k, *self.v) if a is not None]
+        for arrs in self.state:
+            if arrs:
+                out.extend(arrs)
+        return out
 
 
 class _View:
@@ -198,6 +242,12 @@ class PagedKVCache:
             ``0 .. offsets[b] + lengths[b] - 1`` (already allocated).
         offsets: per row, the position of its first new token.
         lengths: new tokens per row (an int: the same L for every row).
+        state_slots: per row, ``(read slot, write slots)`` of its recurrent
+            state (models with recurrent layers only).
+
+    State writes are held until :meth:`commit` (after the whole graph is
+    built), so a forward pass that raises midway writes no state: a recurrent
+    state is not idempotent under a retry, unlike a KV row.
     """
 
     def __init__(
@@ -206,6 +256,7 @@ class PagedKVCache:
         block_tables: Seq[Seq[int]],
         offsets: Seq[int],
         lengths: int | Seq[int],
+        state_slots: Seq[tuple[int, Seq[int]]] | None = None,
     ) -> None:
         bs = pools.block_size
         self.pools = pools
@@ -242,8 +293,45 @@ class PagedKVCache:
         # as much as one copy into [B, kvh, T, hd] plus attention over that
         # (bench/RESULTS.md, Engine section).
         self._contiguous = mx.default_device() == mx.cpu
+        self._state_writes: list[tuple[int, int, mx.array]] = []
+        self._state = None if state_slots is None else _StateRows(state_slots, lens, length)
+        if pools.has_state and self._state is None:
+            raise ValueError("a model with recurrent layers needs state_slots")
         #: Per-layer caches in the interface mlx-lm's architectures call.
-        self.layers = [PagedLayerCache(self, i, s.window) for i, s in enumerate(pools.layers)]
+        self.layers = [self._layer_cache(i, s) for i, s in enumerate(pools.layers)]
+
+    def _layer_cache(self, i: int, spec: LayerSpec) -> Any:
+        if not spec.state:
+            return PagedLayerCache(self, i, spec.window)
+        state = _state_cache(self, i, len(spec.state))
+        if not spec.has_kv:
+            return state
+        from mlx_lm.models.cache import CacheList
+
+        return CacheList(state, PagedLayerCache(self, i, spec.window))
+
+    def read_state(self, layer: int, entry: int) -> mx.array:
+        """[B, *shape]: each row's state entry (its read slot)."""
+        assert self._state is not None
+        arrs = self.pools.state[layer]
+        assert arrs is not None
+        return arrs[entry][self._state.read]
+
+    def write_state(self, layer: int, entry: int, value: mx.array) -> None:
+        """Hold a state entry's new value [B, *shape] until :meth:`commit`."""
+        self._state_writes.append((layer, entry, value))
+
+    def commit(self) -> None:
+        """Write the held state values to their rows' slots (a no-op without state)."""
+        if not self._state_writes:
+            return
+        assert self._state is not None
+        src, dst = self._state.write_src, self._state.write_dst
+        for layer, entry, value in self._state_writes:
+            arrs = self.pools.state[layer]
+            assert arrs is not None
+            arrs[entry][dst] = _as(value[src], arrs[entry].dtype)
+        self._state_writes = []
 
     @property
     def offsets(self) -> mx.array:
@@ -367,6 +455,56 @@ class PagedLayerCache:
     @property
     def nbytes(self) -> int:
         return sum(a.nbytes for a in self.state)
+
+
+class _StateRows:
+    """Slot indices of one step's rows: where each reads its state, where it writes."""
+
+    __slots__ = ("lengths", "read", "write_dst", "write_src")
+
+    def __init__(self, slots: Seq[tuple[int, Seq[int]]], lens: np.ndarray, length: int) -> None:
+        self.read = mx.array([r for r, _ in slots], dtype=mx.int32)
+        src = [b for b, (_, ws) in enumerate(slots) for _ in ws]
+        self.write_src = mx.array(src, dtype=mx.int32)
+        self.write_dst = mx.array([w for _, ws in slots for w in ws], dtype=mx.int32)
+        # Ragged rows: mlx-lm's recurrent layers mask the padding and keep the
+        # state of each row's last real token (ArraysCache ``lengths``).
+        self.lengths = None if bool((lens == length).all()) else lens.astype(np.int32)
+
+
+def _state_cache(owner: PagedKVCache, layer: int, size: int) -> Any:
+    """Layer ``layer``'s recurrent state as mlx-lm's ``ArraysCache`` (read from the
+    rows' slots; what the layer stores is held for :meth:`PagedKVCache.commit`)."""
+    from mlx_lm.models.cache import ArraysCache
+
+    cache = _paged_state_class(ArraysCache)(size)
+    cache.owner, cache.layer = owner, layer
+    cache.cache = [owner.read_state(layer, e) for e in range(size)]
+    assert owner._state is not None
+    lens = owner._state.lengths
+    # Each layer its own array: mlx-lm's ``advance`` decrements it in place.
+    cache.lengths = None if lens is None else mx.array(lens)
+    return cache
+
+
+_STATE_CLASS: list[type] = []
+
+
+def _paged_state_class(base: type) -> type:
+    """One ``ArraysCache`` subclass whose stores go to the owner (made once, on first use)."""
+    if _STATE_CLASS:
+        return _STATE_CLASS[0]
+
+    class PagedStateCache(base):  # type: ignore[misc, valid-type]
+        owner: PagedKVCache
+        layer: int
+
+        def __setitem__(self, idx: int, value: mx.array) -> None:
+            self.cache[idx] = value
+            self.owner.write_state(self.layer, idx, value)
+
+    _STATE_CLASS.append(PagedStateCache)
+    return PagedStateCache
 
 
 def _as(x: mx.array, dtype: mx.Dtype) -> mx.array:

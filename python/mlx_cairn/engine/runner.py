@@ -78,12 +78,17 @@ class ModelRunner:
             dec = plan.decode
             tokens = mx.stack([_token_at(r) for r in dec])[:, None]
             cache = PagedKVCache(
-                self.pools, [list(r.block_ids) for r in dec], [r.start for r in dec], 1
+                self.pools,
+                [list(r.block_ids) for r in dec],
+                [r.start for r in dec],
+                1,
+                self._state_slots(dec),
             )
             h = self.model(tokens, cache)
+            cache.commit()
             parts.append(self.model.logits(h[:, -1, :]))
             rows.extend(dec)
-        for group in _prefill_groups(list(plan.prefill)):
+        for group in _prefill_groups(list(plan.prefill), ragged=not self.pools.has_state):
             width = max(r.n for r in group)
             ids = []
             for r in group:
@@ -95,8 +100,10 @@ class ModelRunner:
                 [list(r.block_ids) for r in group],
                 [r.start for r in group],
                 [r.n for r in group],
+                self._state_slots(group),
             )
             h = self.model(mx.array(ids, dtype=mx.int32), cache)
+            cache.commit()
             last = [(b, r.n - 1) for b, r in enumerate(group) if r.samples]
             if last:
                 rows_idx = mx.array([b for b, _ in last], dtype=mx.int32)
@@ -123,6 +130,12 @@ class ModelRunner:
         out.deferred_logits = deferred_logits
         mx.async_eval(deferred_logits)
         return out
+
+    def _state_slots(self, rows: Any) -> list[tuple[int, tuple[int, ...]]] | None:
+        """Per row (read slot, write slots) of a recurrent model's state, else None."""
+        if not self.pools.has_state:
+            return None
+        return [(r.state_read, r.state_write) for r in rows]
 
     def sample_deferred(
         self, out: StepOutput, keep: list[int], masks: list[list[mx.array]]
@@ -191,17 +204,24 @@ def merge_outputs(parts: list[StepOutput]) -> StepOutput | None:
     )
 
 
-def _prefill_groups(chunks: list[RowPlan]) -> list[list[RowPlan]]:
+def _prefill_groups(chunks: list[RowPlan], *, ragged: bool = True) -> list[list[RowPlan]]:
     """Batch prefill chunks into forward calls, padding each to its longest chunk.
 
     One call reads the weights once, so batching saves time as long as the
     padding stays small: chunks are sorted by length and a group is cut when
-    padding would exceed a quarter of its real tokens.
+    padding would exceed a quarter of its real tokens. ``ragged=False`` groups
+    only chunks of one length: not every recurrent layer of mlx-lm keeps its
+    state unchanged over right padding (Nemotron-H's Mamba does not), so
+    hybrids are never padded.
     """
     groups: list[list[RowPlan]] = []
     for r in sorted(chunks, key=lambda c: -c.n):
         g = groups[-1] if groups else None
-        if g is not None:
+        if g is not None and not ragged:
+            if g[0].n == r.n:
+                g.append(r)
+                continue
+        elif g is not None:
             width = g[0].n
             real = sum(m.n for m in g) + r.n
             if (len(g) + 1) * width <= 1.25 * real + 16:

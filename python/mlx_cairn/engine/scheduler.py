@@ -19,6 +19,11 @@ and go back to the queue in arrival order, ahead of newer requests.
 Each sequence keeps its chained block hashes (``Sequence.block_hashes``) and
 extends them by the newly full blocks only, so a long generation hashes each
 token once instead of re-hashing its whole prefix whenever a block fills.
+
+Models with recurrent layers (``states``, engine/state.py) also get two state
+slots per admitted sequence; a prefix hit only counts up to the longest block
+whose state snapshot exists, and prefill chunks are cut at the snapshot points
+so the state there is written to a snapshot slot.
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from mlx_cairn.engine.sequence import Sequence
+from mlx_cairn.engine.state import StateSlots
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,10 +58,27 @@ class RowPlan:
     block_ids: tuple[int, ...]
     #: Index of the output token this row samples (keys its random stream).
     out_index: int
+    #: Recurrent state (hybrid models): the slot the row reads its state from
+    #: (its own, a snapshot's on a prefix hit, 0 = fresh zeros) ...
+    state_read: int = 0
+    #: ... and the slots its new state is written to (its own first).
+    state_write: tuple[int, ...] = ()
+    #: Blocks up to ``start + n`` when the row ends on a block boundary and
+    #: writes its boundary slot (0: it does not).
+    boundary: int = 0
 
     @staticmethod
-    def of(seq: Sequence, n: int) -> RowPlan:
+    def of(seq: Sequence, n: int, block_size: int = 0) -> RowPlan:
         end = seq.num_computed + n
+        write: tuple[int, ...] = ()
+        boundary = 0
+        if seq.state_slot:
+            write = (seq.state_slot,)
+            if seq.plan_snapshot:
+                write += (seq.plan_snapshot,)
+            elif seq.boundary_slot and end % block_size == 0:
+                boundary = end // block_size
+                write += (seq.boundary_slot,)
         return RowPlan(
             seq=seq,
             start=seq.num_computed,
@@ -64,6 +87,9 @@ class RowPlan:
             placeholder=end > len(seq.tokens),
             block_ids=tuple(seq.block_ids),
             out_index=seq.num_tokens - seq.num_prompt,
+            state_read=seq.state_read,
+            state_write=write,
+            boundary=boundary,
         )
 
 
@@ -112,10 +138,10 @@ class _Draft:
     def has(self, seq: Sequence) -> bool:
         return seq in self.decode or any(s is seq for s, _ in self.prefill)
 
-    def freeze(self) -> StepPlan:
+    def freeze(self, block_size: int) -> StepPlan:
         return StepPlan(
-            decode=tuple(RowPlan.of(s, 1) for s in self.decode),
-            prefill=tuple(RowPlan.of(s, n) for s, n in self.prefill),
+            decode=tuple(RowPlan.of(s, 1, block_size) for s in self.decode),
+            prefill=tuple(RowPlan.of(s, n, block_size) for s, n in self.prefill),
             failed=tuple(self.failed),
         )
 
@@ -130,9 +156,12 @@ class Scheduler:
         *,
         max_batch: int,
         step_token_budget: int,
+        states: StateSlots | None = None,
     ) -> None:
         self.pool = pool
         self.cache = cache
+        #: Recurrent-state slots and snapshots (models with recurrent layers), or None.
+        self.states = states
         self.block_size: int = pool.block_size
         self.max_batch = max_batch
         self.step_token_budget = step_token_budget
@@ -176,6 +205,9 @@ class Scheduler:
         the others are planned as if it had not been there.
         """
         plan = _Draft()
+        if self.states is not None:
+            # Before planning: snapshots a plan reads stay until it is launched.
+            self.states.trim(self.cache, headroom=self.max_batch)
         for seq in list(self.running):
             if seq not in self.running:
                 continue
@@ -198,7 +230,7 @@ class Scheduler:
             if seq not in self.running or seq.num_pending <= 1 or plan.has(seq):
                 continue
             try:
-                n = min(seq.num_pending, budget)
+                n = self._chunk(seq, min(seq.num_pending, budget))
                 if self._grow(seq, n, plan):
                     plan.prefill.append((seq, n))
                     budget -= n
@@ -222,7 +254,7 @@ class Scheduler:
             else:
                 plan.prefill.append((seq, n))
             budget -= n
-        return plan.freeze()
+        return plan.freeze(self.block_size)
 
     def _drop(self, seq: Sequence, err: BaseException, plan: _Draft) -> None:
         """Take a sequence whose planning failed out of the plan and the queues."""
@@ -236,21 +268,31 @@ class Scheduler:
         # the rest of the tokens continue it for this lookup only.
         head = self._hashes(seq, 0)
         rest = seq.tokens[len(head) * self.block_size :]
-        hit = list(self.cache.lookup(self.cache.hash_blocks(rest, prefix=head)))
+        hashes = self.cache.hash_blocks(rest, prefix=head)
+        hit = list(self.cache.lookup(hashes))
+        new: list[int] | None = []
+        n = 0
         try:  # the lookup took references: give them back if anything below fails
+            if self.states is not None:
+                hit = self._state_hit(seq, hashes, hit)
+                if not seq.state_slot:
+                    new = None  # no state slot free: wait, as for blocks
             computed = len(hit) * self.block_size
-            n = min(len(seq.tokens) - computed, budget)
-            need = self.blocks_needed(computed + n) - len(hit)
-            new = self.pool.allocate(need) if need > 0 else []
+            seq.num_computed = computed
+            if new is not None:
+                n = self._chunk(seq, min(len(seq.tokens) - computed, budget))
+                need = self.blocks_needed(computed + n) - len(hit)
+                new = self.pool.allocate(need) if need > 0 else []
         except BaseException:
-            if hit:
-                self.pool.free(hit)
+            self._unadmit(seq, hit)
             raise
         if new is None:
-            if hit:
-                self.pool.free(hit)
+            self._unadmit(seq, hit)
             return 0
         self.waiting.pop(0)
+        if self.states is not None and seq.state_read:
+            self.states.hits += 1
+            self.states.hit_tokens += computed
         seq.block_ids = hit + list(new)
         seq.num_computed = computed
         seq.num_registered = len(hit)
@@ -293,6 +335,62 @@ class Scheduler:
         seq.block_ids = []
         seq.num_computed = 0
         seq.num_registered = 0
+        if self.states is not None:
+            for slot in (seq.state_slot, seq.boundary_slot, seq.plan_snapshot):
+                self.states.release(slot)
+            for _, slot in seq.pending_snapshots:
+                self.states.release(slot)
+        seq.state_slot = seq.boundary_slot = seq.plan_snapshot = seq.state_read = 0
+        seq.boundary_blocks = 0
+        seq.pending_snapshots = []
+
+    # ------------------------------------------------------------ recurrent state
+
+    def _state_hit(self, seq: Sequence, hashes: Any, hit: list[int]) -> list[int]:
+        """For a recurrent model: the part of a prefix hit it can use (up to its longest
+        snapshot; the rest is given back), and the sequence's state slots (none when
+        fewer than two are free)."""
+        assert self.states is not None
+        snap = self.states.find(hashes, hit, self.cache) if hit else None
+        keep = snap.num_blocks if snap is not None else 0
+        if len(hit) > keep:
+            self.pool.free(hit[keep:])
+            hit = hit[:keep]
+        if self.states.num_free >= 2:
+            seq.state_slot = self.states.allocate() or 0
+            seq.boundary_slot = self.states.allocate() or 0
+            seq.state_read = snap.slot if snap is not None else 0
+        return hit
+
+    def _unadmit(self, seq: Sequence, hit: list[int]) -> None:
+        """Undo a failed admission: the lookup's references, the state slots."""
+        if hit:
+            self.pool.free(hit)
+        self._release(seq)
+
+    def _chunk(self, seq: Sequence, n: int) -> int:
+        """Cut a prefill chunk of ``n`` tokens at the next snapshot point, and plan the
+        snapshot there when none is stored yet (recurrent models; else ``n``)."""
+        if self.states is None or not seq.state_slot:
+            return n
+        bs = self.block_size
+        start = seq.num_computed
+        seq.plan_snapshot = self._release_snapshot(seq.plan_snapshot)
+        for point in self.states.points(seq.num_prompt, bs):
+            end = point * bs
+            if end <= start:
+                continue
+            if end > start + n:
+                break
+            if not self.states.has(int(self._hashes(seq, point)[point - 1])):
+                seq.plan_snapshot = self.states.allocate() or 0
+            return end - start
+        return n
+
+    def _release_snapshot(self, slot: int) -> int:
+        if slot and self.states is not None:
+            self.states.release(slot)
+        return 0
 
     # ------------------------------------------------------------ after a step
 
@@ -311,6 +409,12 @@ class Scheduler:
                 )
             self.cache.insert(h, seq.block_ids[:full])
             seq.num_registered = full
+        if seq.pending_snapshots and self.states is not None:
+            h = self._hashes(seq, seq.num_registered)
+            ready = [(nb, slot) for nb, slot in seq.pending_snapshots if nb <= seq.num_registered]
+            for nb, slot in ready:
+                self.states.add(int(h[nb - 1]), seq.block_ids[nb - 1], nb, slot)
+            seq.pending_snapshots = [x for x in seq.pending_snapshots if x[0] > seq.num_registered]
 
     def _hashes(self, seq: Sequence, num_blocks: int) -> Any:
         """``seq``'s kept block hashes, extended by its next full blocks up to ``num_blocks``."""
@@ -325,5 +429,16 @@ class Scheduler:
         return h
 
     def finish(self, seq: Sequence) -> None:
-        """A sequence ended: free its blocks (full ones stay cached)."""
+        """A sequence completed: free its blocks (full ones stay cached); a recurrent
+        model keeps the state after its last full block as a snapshot."""
+        nb = seq.boundary_blocks
+        if (
+            self.states is not None
+            and seq in self.running
+            and seq.boundary_slot
+            and 0 < nb <= seq.num_registered
+        ):
+            h = self._hashes(seq, nb)
+            self.states.add(int(h[nb - 1]), seq.block_ids[nb - 1], nb, seq.boundary_slot)
+            seq.boundary_slot = 0
         self.remove(seq)

@@ -80,6 +80,20 @@ class Sequence:
     block_hashes: Any = None
     #: Prompt tokens served from the prefix cache at first admission.
     cached_tokens: int = -1
+    # Recurrent state (hybrid models, engine/state.py); 0 = no slot.
+    #: The sequence's live state slot and its last-block-boundary slot.
+    state_slot: int = 0
+    boundary_slot: int = 0
+    #: Where the next step reads the state: the live slot, or at admission the
+    #: prefix hit's snapshot (0: zeros, a fresh start).
+    state_read: int = 0
+    #: Blocks covered by the state in ``boundary_slot`` (0: none yet).
+    boundary_blocks: int = 0
+    #: Snapshot slot the planned chunk writes at its end (0: none).
+    plan_snapshot: int = 0
+    #: Snapshots written, waiting for their blocks to join the prefix cache:
+    #: (number of blocks, slot).
+    pending_snapshots: list[tuple[int, int]] = field(default_factory=list)
     num_preemptions: int = 0
     #: Lazy sampled tokens of launched steps, oldest first (at most two).
     inflight: deque[Any] = field(default_factory=deque)

@@ -40,6 +40,15 @@ class EngineStats:
     requests_completed: int = 0
     requests_failed: int = 0
     requests_cancelled: int = 0
+    #: Recurrent-state slots (hybrid models; all 0 otherwise): slots in all,
+    #: prefix snapshots stored and their bytes, admissions that restored one
+    #: and the prompt tokens those skipped.
+    state_slots_total: int = 0
+    state_snapshots: int = 0
+    state_snapshot_bytes: int = 0
+    state_cache_bytes: int = 0
+    state_snapshot_hits: int = 0
+    state_snapshot_hit_tokens: int = 0
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)

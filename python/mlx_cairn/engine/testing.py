@@ -61,6 +61,16 @@ def assert_at_rest(engine: Any, timeout: float = 30.0) -> EngineStats:
     assert not held, f"blocks still referenced at rest: {held[:20]}"
     assert pool.num_free_blocks == pool.num_blocks - 1, (pool.num_free_blocks, pool.num_blocks)
     assert st.blocks_in_use == 0, st
+    states = engine._scheduler.states
+    if states is not None:  # recurrent-state slots: only snapshots hold any
+        free = list(states._free)
+        snaps = [s.slot for s in states._snapshots.values()]
+        assert len(set(free)) == len(free), "a state slot is free twice"
+        assert not set(free) & set(snaps), "a snapshot's slot is also free"
+        assert sorted(free + snaps) == list(range(1, states.num_slots)), (
+            "state slots still held at rest",
+            sorted(set(range(1, states.num_slots)) - set(free) - set(snaps)),
+        )
     return st
 
 

@@ -107,13 +107,17 @@ class StateUpdate:
             self.end(seq, Error("internal", message))
 
     def end(self, seq: Sequence, final: Done | Error | None) -> None:
-        """Remove ``seq`` (freeing its blocks) and end its stream."""
+        """Remove ``seq`` (freeing its blocks) and end its stream (``final`` None:
+        it completed, and its Done follows)."""
         if self.seqs.pop(seq.request_id, None) is None:
             return
         if seq.t_admit == 0.0:
             self._left_queue()
             seq.t_admit = -1.0  # counted out of the queue
-        self.scheduler.remove(seq)
+        if final is None:
+            self.scheduler.finish(seq)
+        else:
+            self.scheduler.remove(seq)
         seq.stream.output_ids = seq.tokens[seq.num_prompt :]
         if final is not None:
             seq.stream._finish(final)
@@ -131,7 +135,16 @@ class StateUpdate:
     def launched(self, out: StepOutput) -> None:
         """Commit a launched step: rows advance by what they fed, samples queue as placeholders."""
         for r in out.plan.rows:
-            r.seq.num_computed = r.start + r.n
+            seq = r.seq
+            seq.num_computed = r.start + r.n
+            if seq.state_slot:  # recurrent state: later steps read the live slot
+                seq.state_read = seq.state_slot
+                if seq.plan_snapshot:
+                    nb = seq.num_computed // self.scheduler.block_size
+                    seq.pending_snapshots.append((nb, seq.plan_snapshot))
+                    seq.plan_snapshot = 0
+                if r.boundary:
+                    seq.boundary_blocks = r.boundary
         self.queued(out)
 
     def queued(self, out: StepOutput) -> None:
@@ -170,16 +183,29 @@ class StateUpdate:
         pending and never finish.
         """
         now = time.perf_counter()
-        for r in (*out.rows, *out.deferred):
+        states = self.scheduler.states
+        if states is not None:  # its state writes may not have happened
+            states.drop_all()
+        for r in (*out.plan.rows, *out.rows, *out.deferred):
             seq = r.seq
+            if states is not None and self.live(seq):
+                self._recompute_state(seq)
             if seq.inflight:
                 seq.inflight.clear()
                 seq.num_computed = min(seq.num_computed, len(seq.tokens) - 1)
+                self._recompute_state(seq)
             if seq.forced is not None and self.live(seq):
                 try:
                     self._apply_forced(seq, now)  # or it would never be scheduled again
                 except Exception as e:
                     self.fail(seq, "updated", e)
+
+    def _recompute_state(self, seq: Sequence) -> None:
+        """A recurrent state has taken in tokens that are being rolled back: unlike
+        KV rows, it cannot be rewritten in place, so the sequence is recomputed
+        (from its longest snapshot) as after a preemption."""
+        if seq.state_slot and seq in self.scheduler.running:
+            self.scheduler.preempt(seq)
 
     def unstick(self) -> None:
         """Nothing could run and nothing is in flight: end what can never progress.
@@ -222,7 +248,9 @@ class StateUpdate:
         count of computed tokens, which may have run ahead onto them.
         """
         forced, seq.forced = seq.forced or [], None
-        seq.num_computed = min(seq.num_computed, len(seq.tokens))
+        if seq.num_computed > len(seq.tokens):
+            seq.num_computed = len(seq.tokens)
+            self._recompute_state(seq)
         for t in forced:
             seq.tokens.append(t)
             if not self._on_token(seq, t, now, None):

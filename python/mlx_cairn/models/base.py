@@ -78,19 +78,48 @@ class Model(Protocol):
 
 
 @dataclass(frozen=True)
+class StateEntry:
+    """One array of a recurrent layer's per-sequence state (shape without the batch axis)."""
+
+    shape: tuple[int, ...]
+    dtype: mx.Dtype
+
+    @property
+    def nbytes(self) -> int:
+        n = self.dtype.size
+        for d in self.shape:
+            n *= d
+        return n
+
+
+@dataclass(frozen=True)
 class LayerSpec:
-    """What one layer caches per token: the shape of its pools and what it attends to.
+    """What one layer caches: the shape of its pools and what it attends to.
 
     ``kv_heads`` x ``k_dim`` keys and ``kv_heads`` x ``v_dim`` values per token
     (MLA layers cache a latent: one "head" whose key and value widths differ).
     ``window``: a sliding-window layer's query sees the last ``window``
     positions, itself included; None for global attention.
+
+    ``state``: a recurrent layer's fixed-size per-sequence state (mlx-lm's
+    ``ArraysCache`` entries: conv state, SSM / delta-rule state), kept in
+    state slots instead of blocks. A pure recurrent layer has ``kv_heads == 0``;
+    a layer may have both (Falcon-H1's parallel attention + Mamba).
     """
 
     kv_heads: int
     k_dim: int
     v_dim: int
     window: int | None = None
+    state: tuple[StateEntry, ...] = ()
+
+    @property
+    def has_kv(self) -> bool:
+        return self.kv_heads > 0
 
     def bytes_per_token(self, itemsize: int) -> int:
         return self.kv_heads * (self.k_dim + self.v_dim) * itemsize
+
+    @property
+    def state_bytes(self) -> int:
+        return sum(e.nbytes for e in self.state)

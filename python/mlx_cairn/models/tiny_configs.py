@@ -145,6 +145,141 @@ TINY_CONFIGS: dict[str, dict[str, Any]] = {
 }
 
 
+_LINEAR = {
+    "linear_num_value_heads": 4,
+    "linear_num_key_heads": 2,
+    "linear_key_head_dim": 16,
+    "linear_value_head_dim": 16,
+    "linear_conv_kernel_dim": 4,
+    "full_attention_interval": 2,
+    "head_dim": 16,
+}
+_QWEN_MOE = {
+    "num_experts": 4,
+    "num_experts_per_tok": 2,
+    "decoder_sparse_step": 1,
+    "shared_expert_intermediate_size": 32,
+    "moe_intermediate_size": 32,
+    "mlp_only_layers": [],
+    "norm_topk_prob": True,
+}
+_MAMBA = {"mamba_n_heads": 4, "mamba_d_head": 16, "mamba_d_state": 8, "mamba_d_conv": 4}
+
+#: Hybrids: recurrent-state layers (Gated DeltaNet, Mamba 2, short convolutions)
+#: between attention layers (issue 15).
+HYBRID_CONFIGS: dict[str, dict[str, Any]] = {
+    "qwen3_next": {
+        **_LINEAR,
+        **_QWEN_MOE,
+        "num_hidden_layers": 4,
+        "rope_theta": 1e6,
+        "partial_rotary_factor": 0.25,
+    },
+    "qwen3_5": {
+        "num_hidden_layers": 4,
+        "text_config": {
+            **_LINEAR,
+            "hidden_size": 64,
+            "num_hidden_layers": 4,
+            "intermediate_size": 128,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "vocab_size": VOCAB,
+            "rope_parameters": {
+                "type": "default",
+                "mrope_section": [1, 1, 0],
+                "rope_theta": 1e6,
+                "partial_rotary_factor": 0.25,
+            },
+        },
+    },
+    "qwen3_5_moe": {
+        "num_hidden_layers": 4,
+        "text_config": {
+            **_LINEAR,
+            **_QWEN_MOE,
+            "hidden_size": 64,
+            "num_hidden_layers": 4,
+            "intermediate_size": 128,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "vocab_size": VOCAB,
+        },
+    },
+    "lfm2": {
+        "num_hidden_layers": 4,
+        "norm_eps": 1e-5,
+        "conv_bias": False,
+        "conv_L_cache": 3,
+        "block_dim": 64,
+        "block_ff_dim": 128,
+        "block_multiple_of": 16,
+        "block_ffn_dim_multiplier": 1.0,
+        "block_auto_adjust_ff_dim": False,
+        "full_attn_idxs": [1, 3],
+    },
+    "lfm2_moe": {
+        "num_hidden_layers": 4,
+        "norm_eps": 1e-5,
+        "conv_bias": False,
+        "conv_L_cache": 3,
+        "num_experts": 4,
+        "num_experts_per_tok": 2,
+        "moe_intermediate_size": 32,
+        "num_dense_layers": 1,
+        "norm_topk_prob": True,
+        "use_expert_bias": True,
+        "layer_types": ["conv", "full_attention", "conv", "full_attention"],
+    },
+    "nemotron_h": {
+        "num_hidden_layers": 4,
+        "hybrid_override_pattern": ["M", "*", "M", "-"],
+        "attention_bias": False,
+        "mamba_num_heads": 4,
+        "mamba_head_dim": 16,
+        "mamba_proj_bias": False,
+        "ssm_state_size": 8,
+        "conv_kernel": 4,
+        "n_groups": 2,
+        "mlp_bias": False,
+        "layer_norm_epsilon": 1e-5,
+        "use_bias": False,
+        "use_conv_bias": True,
+        "head_dim": 16,
+    },
+    "granitemoehybrid": {
+        **_MAMBA,
+        "num_hidden_layers": 4,
+        "attention_bias": False,
+        "embedding_multiplier": 6.0,
+        "attention_multiplier": 0.125,
+        "logits_scaling": 4.0,
+        "residual_multiplier": 0.5,
+        "layer_types": ["mamba", "attention", "mamba", "attention"],
+        "num_local_experts": 4,
+        "num_experts_per_tok": 2,
+        "shared_intermediate_size": 64,
+        "mamba_proj_bias": False,
+        "mamba_n_groups": 1,
+        "mamba_conv_bias": True,
+        "position_embedding_type": "rope",
+    },
+    "falcon_h1": {
+        "num_hidden_layers": 2,
+        "head_dim": 16,
+        "mamba_d_conv": 4,
+        "mamba_d_head": 16,
+        "mamba_d_ssm": 64,
+        "mamba_d_state": 8,
+        "mamba_n_heads": 4,
+        "mamba_n_groups": 1,
+        "mamba_chunk_size": 16,
+        "rope_theta": 1e6,
+        "embedding_multiplier": 1.0,
+        "lm_head_multiplier": 1.0,
+    },
+}
+
 #: Multimodal checkpoints whose text model is another entry (vision weights absent).
 WRAPPERS = {"gemma3": "gemma3_text", "mistral3": "ministral3"}
 
@@ -159,9 +294,10 @@ def tiny_config(model_type: str) -> dict[str, Any]:
             "vocab_size": VOCAB,
             "max_position_embeddings": text["max_position_embeddings"],
         }
-    if model_type not in TINY_CONFIGS:
-        raise ValueError(f"no tiny config for {model_type!r}; have {', '.join(TINY_CONFIGS)}")
+    table = {**TINY_CONFIGS, **HYBRID_CONFIGS}
+    if model_type not in table:
+        raise ValueError(f"no tiny config for {model_type!r}; have {', '.join(table)}")
     out = copy.deepcopy(_COMMON)
-    out.update(copy.deepcopy(TINY_CONFIGS[model_type]))
+    out.update(copy.deepcopy(table[model_type]))
     out["model_type"] = model_type
     return out

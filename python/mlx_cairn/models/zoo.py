@@ -35,7 +35,7 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten
 
 from mlx_cairn.errors import ModelLoadError
-from mlx_cairn.models.base import LayerSpec
+from mlx_cairn.models.base import LayerSpec, StateEntry
 
 #: mlx_lm.models modules that are helpers, not architectures.
 _HELPERS = frozenset(
@@ -71,8 +71,9 @@ def _unsupported(model_type: object, why: str) -> ModelLoadError:
     return ModelLoadError(
         f"unsupported model architecture {model_type!r}: {why}. Supported: the attention "
         f"architectures of mlx-lm {mlx_lm_version()} (e.g. llama, mistral, qwen2, qwen3, "
-        "qwen3_moe, gemma3_text, phi3, gpt_oss, glm4_moe, deepseek_v3, mixtral); hybrid and "
-        "recurrent ones (Mamba, Qwen3-Next, LFM2, ...) are not yet"
+        "qwen3_moe, gemma3_text, phi3, gpt_oss, glm4_moe, deepseek_v3, mixtral) and its "
+        "hybrids with KV and recurrent-state layers (qwen3_next, qwen3_5, qwen3_5_moe, lfm2, "
+        "lfm2_moe, nemotron_h, granitemoehybrid, falcon_h1, mamba2, ...)"
     )
 
 
@@ -97,15 +98,12 @@ def model_classes(config: dict[str, Any]) -> tuple[Any, Any]:
     return classes  # type: ignore[no-any-return]
 
 
-#: mlx-lm cache kinds the engine has no pools for (recurrent state, chunked attention, ...).
-_LACKING = ("ArraysCache", "MambaCache", "ChunkedKVCache", "CacheList", "QuantizedKVCache")
+#: mlx-lm cache kinds the engine has no pools for (chunked attention, quantized KV).
+_LACKING = ("MambaCache", "ChunkedKVCache", "QuantizedKVCache")
 
 
 def _needs(kind: str) -> str:
-    return (
-        f"its layers need a {kind}, a cache kind this engine does not have "
-        "(recurrent / hybrid state)"
-    )
+    return f"its layers need a {kind}, a cache kind this engine does not have"
 
 
 def _lacking_cache_kinds(model_cls: type) -> list[str]:
@@ -289,6 +287,74 @@ class _Probe:
         return False
 
 
+def _state_probe(size: int) -> Any:
+    """An mlx-lm ``ArraysCache`` of ``size`` entries that records what the layer stores."""
+    from mlx_lm.models.cache import ArraysCache
+
+    class StateProbe(ArraysCache):  # type: ignore[misc]
+        def __init__(self) -> None:
+            super().__init__(size)
+            self.stored: dict[int, mx.array] = {}
+
+        def __setitem__(self, idx: int, value: mx.array) -> None:
+            self.stored[idx] = value
+            super().__setitem__(idx, value)
+
+    return StateProbe()
+
+
+def _probe_for(c: Any) -> Any:
+    """A probe standing in for mlx-lm cache ``c`` (a CacheList gets a list of probes)."""
+    from mlx_lm.models.cache import ArraysCache, CacheList
+
+    if isinstance(c, CacheList):
+        return CacheList(*(_probe_for(x) for x in c.caches))
+    if isinstance(c, ArraysCache):
+        return _state_probe(len(c.cache))
+    return _Probe()
+
+
+def _kinds(c: Any, model_type: object) -> tuple[str, int | None]:
+    """``("kv", window)`` / ``("state", None)`` / ``("both", window)`` of mlx-lm cache ``c``."""
+    from mlx_lm.models.cache import ArraysCache, CacheList, KVCache, RotatingKVCache
+
+    if type(c) is KVCache:
+        return "kv", None
+    if type(c) is RotatingKVCache and c.keep == 0:
+        return "kv", int(c.max_size)
+    if type(c) is ArraysCache:
+        return "state", None
+    if isinstance(c, CacheList) and len(c.caches) == 2:
+        a, b = (_kinds(x, model_type) for x in c.caches)
+        if {a[0], b[0]} == {"kv", "state"}:
+            return "both", a[1] if a[0] == "kv" else b[1]
+    raise _unsupported(model_type, _needs(type(c).__name__))
+
+
+def _spec_of(i: int, probe: Any, window: int | None, model_type: object) -> LayerSpec:
+    from mlx_lm.models.cache import CacheList
+
+    parts = list(probe.caches) if isinstance(probe, CacheList) else [probe]
+    kv = next((p for p in parts if isinstance(p, _Probe)), None)
+    st = next((p for p in parts if not isinstance(p, _Probe)), None)
+    kh = kd = vd = 0
+    if kv is not None:
+        if kv.shapes is None:
+            raise _unsupported(model_type, f"layer {i} stores no keys (shared-KV layers)")
+        (_, kh, _, kd), (_, vh, _, vd) = kv.shapes
+        if kh != vh:
+            raise _unsupported(model_type, f"layer {i} has {kh} key heads but {vh} value heads")
+    state: tuple[StateEntry, ...] = ()
+    if st is not None:
+        n = len(st.cache)
+        if sorted(st.stored) != list(range(n)):
+            raise _unsupported(model_type, f"layer {i} does not store all {n} state arrays")
+        state = tuple(
+            StateEntry(tuple(st.stored[e].shape[1:]), st.stored[e].dtype) for e in range(n)
+        )
+    return LayerSpec(kv_heads=kh, k_dim=kd, v_dim=vd, window=window, state=state)
+
+
 def _calls_once(model: nn.Module, attr: str) -> bool:
     """Whether ``type(model).__call__`` calls ``self.<attr>(`` exactly once."""
     inner = getattr(model, attr, None)
@@ -320,28 +386,23 @@ def _backbone(model: nn.Module) -> nn.Module | None:
 
 
 def layer_specs(model: nn.Module) -> list[LayerSpec]:
-    """Per-layer KV spec of an mlx-lm model, or a ModelLoadError naming the cache kind we lack.
+    """Per-layer cache spec of an mlx-lm model, or a ModelLoadError naming a kind we lack.
 
     Windows come from the model's own ``make_cache`` (``RotatingKVCache(max_size)``
-    is a sliding-window layer); K/V heads and widths from a one-token forward
-    pass over probe caches that is built but never evaluated.
+    is a sliding-window layer; ``ArraysCache`` a recurrent one; a ``CacheList``
+    of both a layer with both); K/V heads and widths, and the shapes of the
+    recurrent state arrays, from a one-token forward pass over probe caches
+    that is built but never evaluated.
     """
-    from mlx_lm.models.cache import KVCache, RotatingKVCache
+    from mlx_lm.models.cache import KVCache
 
     model_type = getattr(model, "model_type", None) or type(model).__module__.rsplit(".", 1)[-1]
     layers = getattr(model, "layers", None)
     if layers is None:
         raise _unsupported(model_type, "the model has no layers list")
-    kinds = model.make_cache() if hasattr(model, "make_cache") else [KVCache() for _ in layers]
-    windows: list[int | None] = []
-    for c in kinds:
-        if type(c) is KVCache:
-            windows.append(None)
-        elif type(c) is RotatingKVCache and c.keep == 0:
-            windows.append(int(c.max_size))
-        else:
-            raise _unsupported(model_type, _needs(type(c).__name__))
-    probes = [_Probe() for _ in kinds]
+    made = model.make_cache() if hasattr(model, "make_cache") else [KVCache() for _ in layers]
+    windows = [_kinds(c, model_type)[1] for c in made]
+    probes = [_probe_for(c) for c in made]
     tokens = mx.zeros((1, 1), dtype=mx.int32)
     backbone = _backbone(model)
     try:
@@ -353,15 +414,9 @@ def layer_specs(model: nn.Module) -> list[LayerSpec]:
         raise _unsupported(
             model_type, f"its forward pass does not run over our caches ({e})"
         ) from e
-    specs = []
-    for i, (p, w) in enumerate(zip(probes, windows, strict=True)):
-        if p.shapes is None:
-            raise _unsupported(model_type, f"layer {i} stores no keys (shared-KV layers)")
-        (_, kh, _, kd), (_, vh, _, vd) = p.shapes
-        if kh != vh:
-            raise _unsupported(model_type, f"layer {i} has {kh} key heads but {vh} value heads")
-        specs.append(LayerSpec(kv_heads=kh, k_dim=kd, v_dim=vd, window=w))
-    return specs
+    return [
+        _spec_of(i, p, w, model_type) for i, (p, w) in enumerate(zip(probes, windows, strict=True))
+    ]
 
 
 # --------------------------------------------------------------------- the wrapper

@@ -1,0 +1,139 @@
+"""Hybrid architectures (recurrent-state layers between attention layers) on the engine.
+
+For each hybrid mlx-lm architecture a tiny random-weight model is built from
+mlx-lm's own classes (models/tiny_configs.py ``HYBRID_CONFIGS``). The engine
+runs prompts of different lengths batched together, chunked, one of them a
+prefix hit restored from a state snapshot; every row's greedy tokens must
+equal mlx-lm's own single-sequence generation (its ``ArraysCache`` /
+``KVCache``). Then the prefix cache: P, then P + suffix, must report >= 90%
+of P cached and give exactly the cold output; and the next turn that
+re-sends prompt + answer hits past the answer.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+
+from mlx_cairn.engine import Engine
+from mlx_cairn.engine.testing import closing_at_rest
+from mlx_cairn.models.testing import mlx_lm_greedy, tiny_zoo_model
+from mlx_cairn.models.tiny_configs import HYBRID_CONFIGS
+from mlx_cairn.types import ChatRequest, Done, Message, SamplingParams
+
+TIMEOUT = 120.0
+MAX_TOKENS = 8
+HYBRIDS = sorted(HYBRID_CONFIGS)
+
+
+def ids(rng: np.random.Generator, n: int) -> list[int]:
+    return [int(x) for x in rng.integers(3, 360, size=n)]
+
+
+def base_request(engine: Engine, max_tokens: int = MAX_TOKENS):
+    return engine.prepare(
+        ChatRequest(
+            messages=[Message("user", "x")],
+            max_tokens=max_tokens,
+            sampling=SamplingParams(temperature=0.0),
+        )
+    )
+
+
+def run(engine: Engine, base, prompt: list[int]):
+    return engine.submit(dataclasses.replace(base, prompt_ids=prompt))
+
+
+def finish(stream) -> Done:
+    events = list(stream.iter_sync(timeout=TIMEOUT))
+    assert isinstance(events[-1], Done), events[-1]
+    return events[-1]
+
+
+@pytest.fixture(scope="module", params=HYBRIDS)
+def hybrid(request):
+    lm = tiny_zoo_model(request.param, seed=1)
+    assert any(s.state for s in lm.model.layer_specs), "not a hybrid"
+    return lm
+
+
+def test_batched_greedy_equals_mlx_lm(hybrid):
+    inner = hybrid.model.inner
+    eos = set(hybrid.eos_token_ids)
+    rng = np.random.default_rng(7)
+    long = ids(rng, 37)
+    ps = {
+        "long": long,
+        "short": ids(rng, 5),
+        "mid": ids(rng, 19),
+        "prefix": long[:30] + ids(rng, 7),  # a hit up to long's snapshot at 36 // 4 blocks
+        "longer": ids(rng, 52),
+    }
+    want = {k: mlx_lm_greedy(inner, v, MAX_TOKENS, eos) for k, v in ps.items()}
+    assert len({t for v in want.values() for t in v}) > 3, want
+    engine = Engine(
+        hybrid, num_blocks=128, block_size=4, step_token_budget=16, snapshot_interval=4
+    )
+    with closing_at_rest(engine):
+        base = base_request(engine)
+        first = run(engine, base, ps["long"])
+        assert finish(first).usage.cached_tokens == 0
+        got = {"long": first.output_ids}
+        names = ["short", "mid", "prefix", "longer"]
+        streams = [run(engine, base, ps[k]) for k in names]
+        dones = dict(zip(names, (finish(s) for s in streams), strict=True))
+        for k, s in zip(names, streams, strict=True):
+            got[k] = s.output_ids
+        # "prefix" shares 7 full blocks with "long"; long's interval snapshot
+        # (every 4 blocks here) covers 4 of them.
+        assert dones["prefix"].usage.cached_tokens == 16
+        st = engine.stats()
+        assert st.state_snapshot_hits >= 1 and st.state_snapshots >= 1
+    assert got == want
+
+
+def test_prefix_hit_equals_cold_and_next_turn_hits(hybrid):
+    rng = np.random.default_rng(3)
+    p = ids(rng, 61)
+    suffix = ids(rng, 6)
+    cold_engine = Engine(hybrid, num_blocks=96, block_size=4, step_token_budget=24)
+    with closing_at_rest(cold_engine):
+        base = base_request(cold_engine)
+        cold = run(cold_engine, base, p + suffix)
+        assert finish(cold).usage.cached_tokens == 0
+    engine = Engine(hybrid, num_blocks=96, block_size=4, step_token_budget=24)
+    with closing_at_rest(engine):
+        base = base_request(engine)
+        first = run(engine, base, p)
+        finish(first)
+        second = run(engine, base, p + suffix)
+        done = finish(second)
+        assert done.usage.cached_tokens >= 0.9 * len(p), done.usage
+        assert second.output_ids == cold.output_ids
+        # The next turn re-sends prompt + answer: the snapshot taken at the end
+        # of the request covers its last full block.
+        turn = p + suffix + second.output_ids + ids(rng, 5)
+        want_cached = (len(p + suffix) + MAX_TOKENS - 1) // 4 * 4
+        third = run(engine, base, turn)
+        assert finish(third).usage.cached_tokens >= want_cached
+        assert engine.stats().state_snapshot_bytes > 0
+
+
+def test_preemption_and_cancel_leave_nothing(hybrid):
+    """A pool too small for every row preempts; recomputed rows still match mlx-lm."""
+    inner = hybrid.model.inner
+    eos = set(hybrid.eos_token_ids)
+    rng = np.random.default_rng(11)
+    ps = [ids(rng, n) for n in (23, 29, 17, 31)]
+    want = [mlx_lm_greedy(inner, v, MAX_TOKENS, eos) for v in ps]
+    engine = Engine(hybrid, num_blocks=24, block_size=4, step_token_budget=16, max_batch=4)
+    with closing_at_rest(engine):
+        base = base_request(engine)
+        doomed = run(engine, base, ids(rng, 19))
+        streams = [run(engine, base, v) for v in ps]
+        doomed.cancel()
+        for s in streams:
+            finish(s)
+        assert [s.output_ids for s in streams] == want
