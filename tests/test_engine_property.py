@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from mlx_cairn.engine import Engine
 from mlx_cairn.engine.testing import assert_at_rest, greedy_reference
 from mlx_cairn.errors import ContextLengthExceeded, QueueFull
-from mlx_cairn.models.testing import tiny_model
+from mlx_cairn.models.testing import tiny_model, tiny_zoo_model
 from mlx_cairn.types import ChatRequest, Done, Error, Message, SamplingParams
 
 #: Seconds a stream may stay silent before the test calls it a hang.
@@ -26,19 +26,23 @@ PROMPTS = [
 ]
 
 
-@pytest.fixture(scope="module")
-def lm():
-    return tiny_model("llama", seed=3)
+@pytest.fixture(scope="module", params=["llama", "qwen3_5"])
+def lm(request):
+    # An attention model, and a hybrid whose recurrent state lives in state slots.
+    if request.param == "llama":
+        return tiny_model("llama", seed=3)
+    return tiny_zoo_model(request.param, seed=3)
 
 
-_refs: dict[int, list[int]] = {}
+_refs: dict[tuple[str, int], list[int]] = {}
 
 
 def expected(lm, prompt: int, max_tokens: int) -> list[int]:
-    if prompt not in _refs:
+    key = (lm.name, prompt)
+    if key not in _refs:
         ids = lm.prompt(request(prompt, MAX_TOKENS)).ids
-        _refs[prompt] = greedy_reference(lm, ids, MAX_TOKENS)
-    return _refs[prompt][:max_tokens]
+        _refs[key] = greedy_reference(lm, ids, MAX_TOKENS)
+    return _refs[key][:max_tokens]
 
 
 def request(prompt: int, max_tokens: int) -> ChatRequest:

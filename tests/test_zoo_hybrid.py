@@ -137,3 +137,71 @@ def test_preemption_and_cancel_leave_nothing(hybrid):
         for s in streams:
             finish(s)
         assert [s.output_ids for s in streams] == want
+
+
+def test_forced_reasoning_close_recomputes_the_state(hybrid):
+    """The reasoning budget forces the close tag in place of a sampled token: the
+    state takes exactly the forced text, and the answer equals mlx-lm's
+    continuation of it."""
+    inner = hybrid.model.inner
+    eos = set(hybrid.eos_token_ids)
+    rng = np.random.default_rng(5)
+    p = ids(rng, 21)
+    close = [301, 302]
+    budget = 3
+    free = mlx_lm_greedy(inner, p, budget, eos)
+    assert not set(free) & set(close) and len(free) == budget
+    rest = mlx_lm_greedy(inner, p + free + close, 6, eos)
+    engine = Engine(hybrid, num_blocks=128, block_size=4, step_token_budget=16)
+    with closing_at_rest(engine):
+        prep = dataclasses.replace(
+            base_request(engine, max_tokens=budget + len(close) + 6),
+            prompt_ids=p,
+            reasoning_budget=budget,
+            reasoning_tags=([300], close),
+            in_reasoning=True,
+        )
+        s = engine.submit(prep)
+        finish(s)
+    assert s.output_ids[: budget + len(close)] == free + close
+    assert s.output_ids[budget + len(close) :] == rest[: len(s.output_ids) - budget - len(close)]
+
+
+def test_a_lost_step_recomputes_the_state(hybrid):
+    """A step's read-back fails whole while the next step, already launched, samples
+    another request's first token: the requests of the failed step end, and the
+    other one (its token lost in flight, its last prompt token to be fed again)
+    is recomputed, since its state already took that token in; it still equals
+    mlx-lm."""
+    inner = hybrid.model.inner
+    eos = set(hybrid.eos_token_ids)
+    rng = np.random.default_rng(9)
+    a, b = ids(rng, 30), ids(rng, 3)  # b: one chunk (no snapshot point inside)
+    want = mlx_lm_greedy(inner, b, MAX_TOKENS, eos)
+    engine = Engine(hybrid, num_blocks=128, block_size=4, step_token_budget=16)
+    runner = engine._runner
+    real = runner.read
+    rid: dict[str, int] = {}
+
+    def read(step):
+        second = engine._seqs.get(rid.get("b", -1))
+        rows = {r.seq.request_id for r in step.plan.rows}
+        if second is not None and second.inflight and rid["a"] in rows - {rid["b"]}:
+            rid["b"] = -1  # once
+            step.sampled = None
+            raise RuntimeError("device lost the step")
+        return real(step)
+
+    with closing_at_rest(engine):
+        runner.read = read
+        base = base_request(engine, max_tokens=40)
+        first = run(engine, base, a)
+        rid["a"] = first.request_id
+        while engine.stats().generated_tokens < 3:
+            pass
+        second = run(engine, dataclasses.replace(base, max_tokens=MAX_TOKENS), b)
+        rid["b"] = second.request_id
+        list(first.iter_sync(timeout=TIMEOUT))
+        finish(second)
+        assert rid["b"] == -1  # the fault fired
+        assert second.output_ids == want

@@ -14,7 +14,7 @@ from mlx_cairn.errors import ModelLoadError
 from mlx_cairn.models import load
 from mlx_cairn.models.export import save_folder
 from mlx_cairn.models.testing import mlx_lm_greedy, tiny_zoo_model
-from mlx_cairn.models.zoo import ZooModel, build_model
+from mlx_cairn.models.zoo import ZooModel, model_classes
 from mlx_cairn.types import ChatRequest, Done, Message, SamplingParams
 
 
@@ -134,22 +134,10 @@ def test_unknown_model_type_is_refused_by_name(tmp_path):
         load(str(folder))
 
 
-def test_recurrent_model_type_is_refused_naming_the_cache_kind():
-    config = {
-        "model_type": "mamba",
-        "vocab_size": 64,
-        "hidden_size": 32,
-        "intermediate_size": 64,
-        "state_size": 8,
-        "num_hidden_layers": 2,
-        "conv_kernel": 4,
-        "use_bias": False,
-        "use_conv_bias": True,
-        "time_step_rank": 4,
-        "tie_word_embeddings": True,
-    }
-    with pytest.raises(ModelLoadError, match=r"'mamba'.*ArraysCache.*Supported"):
-        ZooModel(build_model(config, None), config)
+def test_a_cache_kind_the_engine_lacks_is_refused_by_name():
+    # Llama 4's chunked attention layers need mlx-lm's ChunkedKVCache.
+    with pytest.raises(ModelLoadError, match=r"'llama4'.*ChunkedKVCache.*Supported"):
+        model_classes({"model_type": "llama4"})
 
 
 def test_logits_only_where_asked_equal_mlx_lm_full_logits():
