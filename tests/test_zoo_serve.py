@@ -26,8 +26,9 @@ from mlx_cairn.types import ChatRequest, Message, SamplingParams
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
-#: One family shape each: dense, MoE, sliding window + sinks, MLA.
-FAMILIES = ["olmo2", "qwen3_moe", "gpt_oss", "deepseek_v3"]
+#: One family shape each: dense, MoE, sliding window + sinks, MLA, and two hybrids
+#: (Gated DeltaNet, Mamba 2).
+FAMILIES = ["olmo2", "qwen3_moe", "gpt_oss", "deepseek_v3", "qwen3_5", "nemotron_h"]
 PROMPT = "What is the capital of France?"
 MAX_TOKENS = 12
 
