@@ -205,3 +205,23 @@ def test_a_lost_step_recomputes_the_state(hybrid):
         finish(second)
         assert rid["b"] == -1  # the fault fired
         assert second.output_ids == want
+
+
+def test_a_branch_point_becomes_a_snapshot(hybrid):
+    """Two prompts that share a prefix and then differ (one system prompt, other
+    questions): the second leaves the cached KV prefix past any snapshot, so its
+    prefill stops there for one; the third then restores it."""
+    rng = np.random.default_rng(4)
+    p = ids(rng, 61)
+    engine = Engine(hybrid, num_blocks=128, block_size=4, step_token_budget=24)
+    with closing_at_rest(engine):
+        base = base_request(engine)
+        a = run(engine, base, p + ids(rng, 7))
+        assert finish(a).usage.cached_tokens == 0
+        b = run(engine, base, p + ids(rng, 5))
+        assert finish(b).usage.cached_tokens == 0  # no snapshot inside p yet
+        c_prompt = p + ids(rng, 9)
+        c = run(engine, base, c_prompt)
+        assert finish(c).usage.cached_tokens == len(p) // 4 * 4
+    want = mlx_lm_greedy(hybrid.model.inner, c_prompt, MAX_TOKENS, set(hybrid.eos_token_ids))
+    assert c.output_ids == want

@@ -298,20 +298,17 @@ def compile_grammar(loaded: Any, request: ChatRequest) -> Any:
     family = loaded.parser_family
     forced = _forced_tools(request)
     fmt = request.output_format
-    tok = loaded.tokenizer
-
-    def special(text: str) -> int | None:
-        return tok.special_tokens.get(text)
-
-    tools_text = None
-    if forced is not None or (fmt is not None and request.offers_tools):
-        tools_text = constrain.tool_grammar(
-            family,
-            forced if forced is not None else list(request.tools),
-            parallel=request.parallel_tool_calls,
-            special_id=special,
-        )
+    specials = loaded.tokenizer.special_tokens
+    param = "tools" if forced is not None else fmt.param if fmt is not None else "tools"
     try:
+        tools_text = None
+        if forced is not None or (fmt is not None and request.offers_tools):
+            tools_text = constrain.tool_grammar(
+                family,
+                forced if forced is not None else list(request.tools),
+                parallel=request.parallel_tool_calls,
+                specials=specials,
+            )
         if fmt is not None:
             constrain.check_schema(constrain.output_schema(fmt))
         if forced is not None:
@@ -320,7 +317,11 @@ def compile_grammar(loaded: Any, request: ChatRequest) -> Any:
             return vocab.compile_lark(tools_text)
         if fmt is None:  # auto with strict tools: constrained once a call opens
             lazy = constrain.strict_tools_grammar(
-                family, list(request.tools), parallel=request.parallel_tool_calls
+                family,
+                list(request.tools),
+                parallel=request.parallel_tool_calls,
+                specials=specials,
+                eos=loaded.eos_token_ids,
             )
             return vocab.compile_lark(lazy) if lazy is not None else None
         schema = constrain.styled(constrain.output_schema(fmt), strict=fmt.strict)
@@ -328,7 +329,6 @@ def compile_grammar(loaded: Any, request: ChatRequest) -> Any:
             return vocab.compile_json_schema(schema)
         return vocab.compile_lark(constrain.either(tools_text, schema))
     except ValueError as e:
-        param = "tools" if forced is not None else fmt.param if fmt is not None else "tools"
         raise InvalidRequest(
             f"the schema cannot be used for constrained decoding: {e}", param=param
         ) from e

@@ -353,6 +353,10 @@ class Scheduler:
         assert self.states is not None
         snap = self.states.find(hashes, hit, self.cache) if hit else None
         keep = snap.num_blocks if snap is not None else 0
+        # Where this prompt leaves the cached prefix is a branch point: the
+        # next request sharing the prefix likely leaves it there too.
+        seq.branch_blocks = len(hit) if len(hit) > keep else 0
+        seq.hit_ids = hit
         if len(hit) > keep:
             self.pool.free(hit[keep:])
             hit = hit[:keep]
@@ -376,7 +380,7 @@ class Scheduler:
         bs = self.block_size
         start = seq.num_computed
         seq.plan_snapshot = self._release_snapshot(seq.plan_snapshot)
-        for point in self.states.points(seq.num_prompt, bs):
+        for point in self.states.points(seq.num_prompt, bs, seq.branch_blocks):
             end = point * bs
             if end <= start:
                 continue
@@ -386,6 +390,21 @@ class Scheduler:
                 seq.plan_snapshot = self.states.allocate() or 0
             return end - start
         return n
+
+    def _keep_snapshot(self, seq: Sequence, nb: int, slot: int) -> None:
+        """Store ``slot`` (the state after ``seq``'s first ``nb`` blocks) under the hash of
+        block ``nb - 1``, tied to the block the prefix cache keeps for that hash: its
+        own, or — for a prefix it computed again past a shorter snapshot — the block
+        its lookup found (a hash that is cached already keeps its first block)."""
+        assert self.states is not None
+        h = int(self._hashes(seq, nb)[nb - 1])
+        mine = seq.block_ids[nb - 1]
+        found = seq.hit_ids[nb - 1] if nb <= len(seq.hit_ids) else mine
+        for bid in (mine, found):
+            if self.cache.block_hash(bid) == h:
+                self.states.add(h, bid, nb, slot)
+                return
+        self.states.release(slot)
 
     def _release_snapshot(self, slot: int) -> int:
         if slot and self.states is not None:
@@ -410,11 +429,10 @@ class Scheduler:
             self.cache.insert(h, seq.block_ids[:full])
             seq.num_registered = full
         if seq.pending_snapshots and self.states is not None:
-            h = self._hashes(seq, seq.num_registered)
             ready = [(nb, slot) for nb, slot in seq.pending_snapshots if nb <= seq.num_registered]
-            for nb, slot in ready:
-                self.states.add(int(h[nb - 1]), seq.block_ids[nb - 1], nb, slot)
             seq.pending_snapshots = [x for x in seq.pending_snapshots if x[0] > seq.num_registered]
+            for nb, slot in ready:
+                self._keep_snapshot(seq, nb, slot)
 
     def _hashes(self, seq: Sequence, num_blocks: int) -> Any:
         """``seq``'s kept block hashes, extended by its next full blocks up to ``num_blocks``."""
@@ -438,7 +456,6 @@ class Scheduler:
             and seq.boundary_slot
             and 0 < nb <= seq.num_registered
         ):
-            h = self._hashes(seq, nb)
-            self.states.add(int(h[nb - 1]), seq.block_ids[nb - 1], nb, seq.boundary_slot)
+            self._keep_snapshot(seq, nb, seq.boundary_slot)
             seq.boundary_slot = 0
         self.remove(seq)

@@ -87,6 +87,11 @@ class Sequence:
     #: Where the next step reads the state: the live slot, or at admission the
     #: prefix hit's snapshot (0: zeros, a fresh start).
     state_read: int = 0
+    #: Where the prefix hit in the KV cache ended past the longest snapshot, in
+    #: blocks (a snapshot point, engine/state.py; 0: none).
+    branch_blocks: int = 0
+    #: The block ids of that KV hit (the blocks the prefix cache keeps for them).
+    hit_ids: list[int] = field(default_factory=list)
     #: Blocks covered by the state in ``boundary_slot`` (0: none yet).
     boundary_blocks: int = 0
     #: Snapshot slot the planned chunk writes at its end (0: none).

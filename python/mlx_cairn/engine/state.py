@@ -26,9 +26,13 @@ rest. Slots::
                                at the next trim (they never outlive their prefix)
 
 Snapshot points of a prompt of P tokens (block size bs, in blocks): every
-``interval`` blocks, and the last full block before the prompt's last token,
-``(P - 1) // bs`` — the longest prefix a later request can reuse. Prefill
-chunks are cut at these points so the state there exists.
+``interval`` blocks; the last full block before the prompt's last token,
+``(P - 1) // bs`` (the longest prefix a later request can reuse: the next
+turn of a conversation); and the branch point, where the prompt's prefix hit
+in the KV cache went past its longest snapshot: two prompts shared the
+prefix up to there, so a third likely does (a shared system prompt and tools
+with another question, a regenerated answer). Prefill chunks are cut at
+these points so the state there exists.
 """
 
 from __future__ import annotations
@@ -144,10 +148,13 @@ class StateSlots:
 
     # ------------------------------------------------------------- policy
 
-    def points(self, num_prompt: int, block_size: int) -> list[int]:
-        """Snapshot points of a prompt, in blocks (ascending)."""
+    def points(self, num_prompt: int, block_size: int, branch: int = 0) -> list[int]:
+        """Snapshot points of a prompt, in blocks (ascending); ``branch``: where its
+        prefix hit in the KV cache ended, past its longest snapshot (0: none)."""
         last = (num_prompt - 1) // block_size
-        pts = list(range(self.interval, last, self.interval))
+        pts = set(range(self.interval, last, self.interval))
         if last > 0:
-            pts.append(last)
-        return pts
+            pts.add(last)
+        if 0 < branch <= last:
+            pts.add(branch)
+        return sorted(pts)
