@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import anthropic
+import httpx
 import openai
 import pytest
 
@@ -28,7 +29,8 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
 #: One family shape each: dense, MoE, sliding window + sinks, MLA, and two hybrids
 #: (Gated DeltaNet, Mamba 2).
-FAMILIES = ["olmo2", "qwen3_moe", "gpt_oss", "deepseek_v3", "qwen3_5", "nemotron_h"]
+HYBRIDS = ["qwen3_5", "nemotron_h"]
+FAMILIES = ["olmo2", "qwen3_moe", "gpt_oss", "deepseek_v3", *HYBRIDS]
 PROMPT = "What is the capital of France?"
 MAX_TOKENS = 12
 
@@ -100,3 +102,11 @@ def test_serves_through_both_sdks(server: str, model_dir: Path, model_type: str)
     # (The Anthropic dialect renders its own prompt, so only its two forms are compared.)
     assert "".join(b.text for b in final.content if b.type == "text") == text
     assert msg.usage.output_tokens > 0
+    if model_type in HYBRIDS:
+        # The same prompt came four times: the later ones restored a state snapshot.
+        health = httpx.get(server + "/health", timeout=30).json()
+        (entry,) = [m for m in health["models"] if m["name"] == model_type]
+        st = entry["stats"]
+        assert st["state_slots_total"] > 0 and st["state_snapshots"] > 0, st
+        assert st["state_snapshot_hits"] > 0 and st["state_snapshot_bytes"] > 0, st
+        assert msg.usage.cache_read_input_tokens, msg.usage

@@ -137,7 +137,7 @@ def disk_size(source: str | None) -> int:
 
 
 def measured_bytes(loaded: Any, engine: Any) -> int:
-    """Weights (every parameter array) plus the engine's KV pool, in bytes."""
+    """Weights (every parameter array) plus the engine's KV pool and state slots, in bytes."""
     total = 0
     model = getattr(loaded, "model", None)
     if model is not None and hasattr(model, "parameters"):
@@ -147,7 +147,8 @@ def measured_bytes(loaded: Any, engine: Any) -> int:
     stats = getattr(engine, "stats", None)
     if callable(stats):
         with contextlib.suppress(Exception):
-            total += int(stats().kv_cache_bytes)
+            st = stats()
+            total += int(st.kv_cache_bytes) + int(st.state_cache_bytes)
     return total
 
 
