@@ -73,9 +73,7 @@ def test_batched_greedy_equals_mlx_lm(hybrid):
     }
     want = {k: mlx_lm_greedy(inner, v, MAX_TOKENS, eos) for k, v in ps.items()}
     assert len({t for v in want.values() for t in v}) > 3, want
-    engine = Engine(
-        hybrid, num_blocks=128, block_size=4, step_token_budget=16, snapshot_interval=4
-    )
+    engine = Engine(hybrid, num_blocks=128, block_size=4, step_token_budget=16, snapshot_interval=4)
     with closing_at_rest(engine):
         base = base_request(engine)
         first = run(engine, base, ps["long"])
@@ -225,3 +223,24 @@ def test_a_branch_point_becomes_a_snapshot(hybrid):
         assert finish(c).usage.cached_tokens == len(p) // 4 * 4
     want = mlx_lm_greedy(hybrid.model.inner, c_prompt, MAX_TOKENS, set(hybrid.eos_token_ids))
     assert c.output_ids == want
+
+
+def test_snapshots_go_with_their_blocks(hybrid):
+    """A pool that cannot keep every prefix: as cached blocks are evicted, the
+    snapshots of their prefixes go too (checked at rest), and the capacity holds."""
+    rng = np.random.default_rng(8)
+    engine = Engine(
+        hybrid,
+        num_blocks=40,
+        block_size=4,
+        step_token_budget=16,
+        state_snapshots=3,
+        snapshot_interval=2,
+    )
+    with closing_at_rest(engine):
+        base = base_request(engine)
+        for _ in range(6):
+            finish(run(engine, base, ids(rng, 41)))
+            st = engine.stats()
+            assert st.state_snapshots <= 3
+        assert engine._cache.stats()["evictions"] > 0

@@ -205,9 +205,6 @@ class Scheduler:
         the others are planned as if it had not been there.
         """
         plan = _Draft()
-        if self.states is not None:
-            # Before planning: snapshots a plan reads stay until it is launched.
-            self.states.trim(self.cache, headroom=self.max_batch)
         for seq in list(self.running):
             if seq not in self.running:
                 continue
@@ -254,6 +251,11 @@ class Scheduler:
             else:
                 plan.prefill.append((seq, n))
             budget -= n
+        if self.states is not None:
+            # After planning (its allocations may have evicted cached blocks): the
+            # snapshots of evicted prefixes go now. Slots this plan reads are only
+            # reused by later plans, whose writes come after its reads.
+            self.states.trim(self.cache, headroom=self.max_batch)
         return plan.freeze(self.block_size)
 
     def _drop(self, seq: Sequence, err: BaseException, plan: _Draft) -> None:

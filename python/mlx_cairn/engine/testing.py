@@ -67,6 +67,8 @@ def assert_at_rest(engine: Any, timeout: float = 30.0) -> EngineStats:
         snaps = [s.slot for s in states._snapshots.values()]
         assert len(set(free)) == len(free), "a state slot is free twice"
         assert not set(free) & set(snaps), "a snapshot's slot is also free"
+        for h, snap in states._snapshots.items():  # none outlives its prefix's blocks
+            assert engine._cache.block_hash(snap.block_id) == h, ("stale snapshot", snap)
         assert sorted(free + snaps) == list(range(1, states.num_slots)), (
             "state slots still held at rest",
             sorted(set(range(1, states.num_slots)) - set(free) - set(snaps)),
