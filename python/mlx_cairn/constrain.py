@@ -22,12 +22,14 @@ from __future__ import annotations
 
 import threading
 import weakref
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import mlx.core as mx
 import numpy as np
 import orjson
 
+from mlx_cairn import tool_grammars
 from mlx_cairn._core import CompiledGrammar, GrammarMatcher, GrammarVocabulary
 from mlx_cairn.types import OutputFormat, Tool
 
@@ -35,8 +37,8 @@ from mlx_cairn.types import OutputFormat, Tool
 #: own JSON usually is. Flexible whitespace lets a small model pad forever.
 JSON_STYLE = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 
-#: Families whose tool-call syntax a grammar is written for here.
-GRAMMAR_FAMILIES = ("hermes", "llama3", "mistral")
+#: Families whose tool-call syntax a grammar is written for (every parser family).
+GRAMMAR_FAMILIES = tuple(tool_grammars.SYNTAXES)
 
 _vocabularies: weakref.WeakKeyDictionary[Any, GrammarVocabulary] = weakref.WeakKeyDictionary()
 _vocab_lock = threading.Lock()
@@ -57,22 +59,26 @@ def vocabulary(loaded: Any) -> GrammarVocabulary:
     return v
 
 
-#: Integers stay within what every JSON reader keeps exactly (I-JSON, RFC 7493):
-#: an unbounded integer grammar lets a small model write digits until max_tokens.
+#: Numbers stay within what every JSON reader keeps exactly (I-JSON, RFC 7493):
+#: an unbounded number grammar lets a small model write digits until max_tokens,
+#: or an exponent (``2E2345``) that overflows a double, which JSON readers then
+#: refuse (the Rust tool-call parsers drop such a call). Bounded, a number is
+#: written without an exponent.
 SAFE_INTEGER = 2**53 - 1
 _BOUNDS = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum")
 
 
 def interoperable(schema: Any) -> Any:
-    """``schema`` with each integer that has no bound limited to +-SAFE_INTEGER."""
+    """``schema`` with each number that has no bound limited to +-SAFE_INTEGER."""
     if isinstance(schema, list):
         return [interoperable(v) for v in schema]
     if not isinstance(schema, dict):
         return schema
     out = {k: interoperable(v) for k, v in schema.items()}
     kind = schema.get("type")
-    is_int = kind == "integer" or (isinstance(kind, list) and "integer" in kind)
-    if is_int and not any(b in schema for b in _BOUNDS):
+    numeric = ("integer", "number")
+    is_num = kind in numeric or (isinstance(kind, list) and any(k in kind for k in numeric))
+    if is_num and not any(b in schema for b in _BOUNDS):
         out["minimum"], out["maximum"] = -SAFE_INTEGER, SAFE_INTEGER
     return out
 
@@ -105,91 +111,51 @@ def output_schema(fmt: OutputFormat) -> dict[str, Any]:
     return fmt.schema if fmt.schema is not None else {"type": "object"}
 
 
-def _call_schema(tools: list[Tool], args_key: str) -> dict[str, Any]:
-    """One call of any of ``tools``: ``{"name": <its name>, args_key: <its schema>}``."""
-    options = [
-        {
-            "type": "object",
-            "properties": {"name": {"const": t.name}, args_key: t.parameters or {"type": "object"}},
-            "required": ["name", args_key],
-            "additionalProperties": False,
-        }
-        for t in tools
-    ]
-    return options[0] if len(options) == 1 else {"anyOf": options}
-
-
 def tool_grammar(
-    family: str | None, tools: list[Tool], *, parallel: bool, special_id: Any = None
+    family: str | None,
+    tools: list[Tool],
+    *,
+    parallel: bool,
+    specials: Mapping[str, int] | None = None,
 ) -> str | None:
     """A Lark grammar for one (or, with ``parallel``, one or more) call of ``tools`` in
-    ``family``'s syntax; None when no grammar is written for the family.
+    ``family``'s syntax (:data:`mlx_cairn.tool_grammars.SYNTAXES`); None when no
+    grammar is written for the family. ValueError when a tool cannot be written in it.
 
-    ``special_id(text)`` gives the id of a special token (Mistral's ``[TOOL_CALLS]``).
+    ``specials``: the tokenizer's special tokens (text -> id); the family's markers
+    among them (Mistral's ``[TOOL_CALLS]``, harmony's ``<|channel|>``) are matched as
+    those tokens.
     """
-    if not tools:
-        return None
-    if family == "hermes":
-        call = _call_schema(tools, "arguments")
-        body = '"<tool_call>\\n" obj "\\n</tool_call>"'
-        start = f'start: call ("\\n" call)*\ncall: {body}' if parallel else f"start: {body}"
-        return f"{start}\nobj: %json {styled(call)}\n"
-    if family == "llama3":
-        # One bare JSON call (Llama 3.1's custom-tool format); no parallel syntax.
-        return f"start: obj\nobj: %json {styled(_call_schema(tools, 'parameters'))}\n"
-    if family == "mistral":
-        tid = special_id("[TOOL_CALLS]") if special_id is not None else None
-        if tid is None:
-            return None
-        calls: dict[str, Any] = {
-            "type": "array",
-            "items": _call_schema(tools, "arguments"),
-            "minItems": 1,
-        }
-        if not parallel:
-            calls["maxItems"] = 1
-        return f"start: <[{int(tid)}]> obj\nobj: %json {styled(calls)}\n"
-    return None
+    return tool_grammars.forced(
+        family, tools, parallel=parallel, specials=specials or {}, styled=styled
+    )
 
 
 #: Families whose calls open with a tag, so a grammar can wait for it (strict tools
 #: under ``auto``): the text before the tag is free.
-OPEN_TAGS = {"hermes": "<tool_call>"}
+OPEN_TAGS = {f: s.open for f, s in tool_grammars.SYNTAXES.items() if s.open is not None}
 
 
-def strict_tools_grammar(family: str | None, tools: list[Tool], *, parallel: bool) -> str | None:
+def strict_tools_grammar(
+    family: str | None,
+    tools: list[Tool],
+    *,
+    parallel: bool,
+    specials: Mapping[str, int] | None = None,
+    eos: Iterable[int] = (),
+) -> str | None:
     """``auto`` with strict tools: free text, or text then calls whose arguments match.
 
-    Text that never opens a call ends freely; once the family's opening tag is
-    written, the call (and any that follow) is constrained. Tools not marked
-    strict take any object as arguments.
+    Text that never opens a call ends freely; once the family's opening tag
+    (:data:`OPEN_TAGS`) is written, the call (and, with ``parallel``, any that
+    follow) is constrained. Tools not marked strict take any object as arguments.
     """
-    tag = OPEN_TAGS.get(family or "")
-    if tag is None or not any(t.strict for t in tools):
+    if family not in OPEN_TAGS or not any(t.strict for t in tools):
         return None
     shaped = [t if t.strict else Tool(t.name, t.description, {"type": "object"}) for t in tools]
-    calls = tool_grammar(family, shaped, parallel=True)
-    assert calls is not None
-    lit = orjson.dumps(tag).decode()
-    rest = '"\\n" obj "\\n</tool_call>"'
-    more = ' ("\\n" call)*' if parallel else ""
-    return "\n".join(
-        [
-            f"start: FREE | opened {rest}{more}",
-            f"FREE: /(?s:.*)/ & ~/(?s:.*){_rx(tag)}(?s:.*)/",
-            f"opened[suffix={lit}]: /(?s:.*)/",
-            *[ln for ln in calls.splitlines() if not ln.startswith("start:")],
-            "",
-        ]
+    return tool_grammars.lazy(
+        family, shaped, parallel=parallel, specials=specials or {}, eos=eos, styled=styled
     )
-
-
-_REGEX_META = set("\\.+*?()|[]{}^$#&-~")
-
-
-def _rx(text: str) -> str:
-    """``text`` as a literal in a grammar regex."""
-    return "".join("\\" + c if c in _REGEX_META else c for c in text)
 
 
 class GrammarMask:
@@ -231,12 +197,14 @@ def _find_end(tokens: list[int], pattern: list[int]) -> int | None:
 
 __all__ = [
     "GRAMMAR_FAMILIES",
+    "OPEN_TAGS",
     "CompiledGrammar",
     "GrammarMask",
     "GrammarVocabulary",
     "check_schema",
     "either",
     "output_schema",
+    "strict_tools_grammar",
     "styled",
     "tool_grammar",
     "vocabulary",
