@@ -143,7 +143,8 @@ def measured_bytes(loaded: Any, engine: Any) -> int:
     if model is not None and hasattr(model, "parameters"):
         from mlx.utils import tree_flatten
 
-        total += sum(int(v.nbytes) for _, v in tree_flatten(model.parameters()))
+        flat: list[tuple[str, Any]] = tree_flatten(model.parameters())  # type: ignore[assignment]
+        total += sum(int(v.nbytes) for _, v in flat)
     stats = getattr(engine, "stats", None)
     if callable(stats):
         with contextlib.suppress(Exception):

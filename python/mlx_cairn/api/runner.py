@@ -61,7 +61,7 @@ from starlette.types import Receive, Scope, Send
 
 from mlx_cairn.api.dialects import Dialect, error_response
 from mlx_cairn.api.metrics import CLIENT_GONE_SCOPE_KEY, observe_event
-from mlx_cairn.api.registry import ServedModel
+from mlx_cairn.api.registry import ModelLease, ServedModel
 from mlx_cairn.api.state import AppState, app_state, read_json
 from mlx_cairn.errors import CairnError, ContextLengthExceeded, error_kind
 from mlx_cairn.protocol.base import Codec, WireEvent, check_depth, encode
@@ -234,7 +234,7 @@ async def start_generation(
     return Generation(stream, int(prepared.num_prompt_tokens), sm)
 
 
-def count_prompt_tokens(sm: ServedModel, chat: ChatRequest) -> int:
+def count_prompt_tokens(sm: ServedModel | ModelLease, chat: ChatRequest) -> int:
     """Prompt tokens of ``chat`` (== usage.input_tokens), even when it exceeds the context.
 
     A conversation longer than the context still has a size, and clients use

@@ -389,13 +389,15 @@ class PagedKVCache:
         # [B, kvh, L, d] -> [B*L, kvh, d], matching the row-major write slots.
         k_rows = _as(keys.transpose(0, 2, 1, 3).reshape(b * n, h, dk), p.dtype)
         v_rows = _as(values.transpose(0, 2, 1, 3).reshape(b * n, h, dv), p.dtype)
+        k_pool, v_pool = p.k[layer], p.v[layer]
+        assert k_pool is not None and v_pool is not None, f"layer {layer} has no KV pools"
         # In-place scatter: the pool array is donated, nothing is copied.
-        p.k[layer][self._w_block, self._w_row] = k_rows
-        p.v[layer][self._w_block, self._w_row] = v_rows
+        k_pool[self._w_block, self._w_row] = k_rows
+        v_pool[self._w_block, self._w_row] = v_rows
         tables = self.view(geometry).tables
         # [B, nblk, bs, kvh, d] -> [B, kvh, nblk*bs, d]
-        k_all = p.k[layer][tables].reshape(b, -1, h, dk).transpose(0, 2, 1, 3)
-        v_all = p.v[layer][tables].reshape(b, -1, h, dv).transpose(0, 2, 1, 3)
+        k_all = k_pool[tables].reshape(b, -1, h, dk).transpose(0, 2, 1, 3)
+        v_all = v_pool[tables].reshape(b, -1, h, dv).transpose(0, 2, 1, 3)
         if self._contiguous and p.dtype == keys.dtype:  # (a cast below copies anyway)
             k_all, v_all = mx.contiguous(k_all), mx.contiguous(v_all)
         return _as(k_all, keys.dtype), _as(v_all, values.dtype)
@@ -450,7 +452,7 @@ class PagedLayerCache:
     @property
     def state(self) -> list[mx.array]:
         p = self._owner.pools
-        return [p.k[self.layer], p.v[self.layer]]
+        return [a for a in (p.k[self.layer], p.v[self.layer]) if a is not None]
 
     @property
     def nbytes(self) -> int:
