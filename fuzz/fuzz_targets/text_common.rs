@@ -13,6 +13,8 @@ const FRAGMENTS: &[&str] = &[
     "<|python_tag|>",
     "[TOOL_CALLS]",
     "[ARGS]",
+    "[THINK]",
+    "[/THINK]",
     "<function=f>",
     "<parameter=p>",
     "</parameter>",

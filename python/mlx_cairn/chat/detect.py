@@ -23,9 +23,11 @@ model that syntax); :data:`_TEMPLATE_MARKERS` lists them, most specific first.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 from mlx_cairn._core import FAMILIES
+from mlx_cairn.types import Message
 
 #: Every output-parser family (the Rust parser's list).
 PARSER_FAMILIES: tuple[str, ...] = tuple(FAMILIES)
@@ -45,6 +47,12 @@ _TEMPLATE_MARKERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     # Llama 4's python tags.
     ("pythonic", ("[func_name1(", "<|python_start|>")),
 )
+
+
+def _renders_calls_only(src: str) -> bool:
+    """The template renders ``tool_calls`` but no ``tools`` list."""
+    return re.search(r"\btool_calls\b", src) is not None and re.search(r"\btools\b", src) is None
+
 
 #: Template kwargs that switch reasoning on/off, in the order we look for them.
 _REASONING_KWARGS = ("enable_thinking", "thinking", "reasoning")
@@ -76,12 +84,18 @@ class ReasoningInfo:
 
 
 def detect_parser_family(template_source: str, vocab: set[str] | None = None) -> str | None:
-    """Guess the tool-call output format from the chat template (and vocabulary)."""
+    """Guess the tool-call output format from the chat template (and vocabulary).
+
+    A template with a family's markers that does not render the tools list
+    (DeepSeek-R1 distills and V3.1 render calls only) gets tools and calls
+    spelled the Hermes way by ChatTemplate, so this returns None for it.
+    """
     src = template_source
     vocab = vocab or set()
     for family, markers in _TEMPLATE_MARKERS:
         if any(m in src for m in markers):
-            return family
+            # Calls rendered without the tools list: ChatTemplate's fallback.
+            return None if _renders_calls_only(src) else family
     if "<tool_call>" in src:
         return "qwen3_coder" if "<function=" in src else "hermes"
     if "[TOOL_CALLS]" in src or ("[TOOL_CALLS]" in vocab and "tool" in src):
@@ -113,23 +127,74 @@ GEMMA4_REASONING = ReasoningInfo(
 )
 
 
+#: Mistral's reasoning models (Magistral, Ministral 3 Reasoning) think in
+#: ``[THINK]..[/THINK]``, always (a system prompt asks for it).
+MISTRAL_REASONING = ReasoningInfo(
+    supported=True,
+    kwarg=None,
+    default_on=True,
+    open_tag="[THINK]",
+    close_tag="[/THINK]",
+)
+
+
 def detect_reasoning(template_source: str, vocab: set[str] | None = None) -> ReasoningInfo:
     """Read the reasoning mode from the template source and vocabulary."""
     # The tags in the vocabulary alone do not make a reasoning model (many
     # tokenizers carry them); the template must know about them.
     del vocab
-    if "<|channel|>" in template_source:
+    src = template_source
+    if "<|channel|>" in src:
         return HARMONY_REASONING
-    if "<|channel>" in template_source or "<|think|>" in template_source:
+    if "<|channel>" in src or "<|think|>" in src:
         return GEMMA4_REASONING
-    if "<think>" not in template_source and "</think>" not in template_source:
+    if "[THINK]" in src:
+        return MISTRAL_REASONING
+    if "<think>" not in src and "</think>" not in src:
         return ReasoningInfo()
-    kwarg = next((k for k in _REASONING_KWARGS if k in template_source), None)
-    # Qwen3-style templates default to thinking unless told `enable_thinking=false`.
-    default_on = True
-    if kwarg is not None and f"{kwarg} is defined and {kwarg} is true" in template_source:
-        default_on = False
+    kwarg, default_on = _reasoning_switch(src)
     return ReasoningInfo(supported=True, kwarg=kwarg, default_on=default_on)
+
+
+def _reasoning_switch(src: str) -> tuple[str | None, bool]:
+    """(the template variable that switches reasoning, whether it is on when unset).
+
+    A candidate (:data:`_REASONING_KWARGS`) must be a variable the template's
+    code reads (not a word in its prose or comments, nor ``reasoning_content``)
+    and must change the generation prompt; its default is whichever setting
+    renders like leaving it unset. Without one, reasoning is always on.
+    """
+    names = _code_names(src)
+    for kwarg in (k for k in _REASONING_KWARGS if k in names):
+        try:
+            unset, on, off = (_generation_prompt(src, v, kwarg) for v in (None, True, False))
+        except Exception:
+            # A template that needs more than one user turn to render: fall
+            # back to reading the source.
+            default_off = f"{kwarg} is defined and {kwarg} is true" in src
+            return kwarg, not default_off
+        if on != off:
+            return kwarg, unset != off
+    return None, True
+
+
+_COMMENT = re.compile(r"\{#.*?#\}", re.S)
+_CODE = re.compile(r"\{%(.*?)%\}|\{\{(.*?)\}\}", re.S)
+_STRING = re.compile(r"'(?:[^'\\]|\\.)*'|\"(?:[^\"\\]|\\.)*\"", re.S)
+_NAME = re.compile(r"(?<![\w.])[A-Za-z_]\w*")
+
+
+def _code_names(src: str) -> set[str]:
+    """Names a template's code uses (outside comments, prose and string literals)."""
+    code = " ".join(a or b for a, b in _CODE.findall(_COMMENT.sub("", src)))
+    return set(_NAME.findall(_STRING.sub("", code)))
+
+
+def _generation_prompt(src: str, value: bool | None, kwarg: str) -> str:
+    from mlx_cairn.chat.template import ChatTemplate
+
+    kwargs = {} if value is None else {kwarg: value}
+    return ChatTemplate(src).render([Message("user", "hi")], **kwargs)
 
 
 def starts_in_reasoning(prompt_text: str, info: ReasoningInfo) -> bool:

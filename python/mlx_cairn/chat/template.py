@@ -14,7 +14,9 @@ Example::
 
 from __future__ import annotations
 
+import hashlib
 import json
+import re
 from datetime import datetime
 from typing import Any
 
@@ -79,10 +81,18 @@ def _environment() -> ImmutableSandboxedEnvironment:
 
 
 def message_to_dict(m: Message) -> dict[str, Any]:
-    """A :class:`Message` in the dict shape HF chat templates expect."""
+    """A :class:`Message` in the dict shape HF chat templates expect.
+
+    Reasoning goes in ``reasoning_content`` (Qwen, GLM, DeepSeek, Kimi,
+    MiniMax) and ``thinking`` (gpt-oss), except that a turn with both text
+    and tool calls gets no ``thinking``: gpt-oss's template refuses both
+    there (it writes the text as the analysis message itself).
+    """
     d: dict[str, Any] = {"role": m.role, "content": m.content}
     if m.reasoning:
         d["reasoning_content"] = m.reasoning
+        if not (m.content and m.tool_calls):
+            d["thinking"] = m.reasoning
     if m.tool_calls:
         calls = []
         for tc in m.tool_calls:
@@ -174,6 +184,7 @@ class ChatTemplate:
             "pad_token": pad_token or "",
             "unk_token": unk_token or "",
         }
+        self._id_style = _call_id_style(source)
         try:
             self._template = _environment().from_string(source)
         except jinja2.TemplateSyntaxError as e:
@@ -186,8 +197,11 @@ class ChatTemplate:
 
     @property
     def handles_tool_calls(self) -> bool:
-        """The template renders assistant ``tool_calls`` itself."""
-        return "tool_calls" in self.source
+        """The template renders assistant ``tool_calls`` itself, in the syntax
+        its tool instructions teach. A template that renders calls but not
+        the tools list (DeepSeek-R1 distills) gets Hermes instructions from
+        us, so its calls are spelled the Hermes way too."""
+        return self.handles_tools and "tool_calls" in self.source
 
     @property
     def adds_bos(self) -> bool:
@@ -235,6 +249,8 @@ class ChatTemplate:
         kwargs = dict(kwargs or {})
         if marks is not None:
             msgs, tool_dicts, kwargs = marks.mark(msgs), marks.mark(tool_dicts), marks.mark(kwargs)
+        msgs = _template_call_ids(_json_arguments(msgs), self._id_style)
+        had_system = bool(msgs) and msgs[0]["role"] == "system"
         if not (self.handles_tools and self.handles_tool_calls):
             msgs = _fallback_tools(
                 msgs, tool_dicts, tools_ok=self.handles_tools, calls_ok=self.handles_tool_calls
@@ -247,6 +263,17 @@ class ChatTemplate:
             "tools": tool_dicts,
             "add_generation_prompt": add_generation_prompt,
         }
+        try:
+            return self._render_turns(msgs, variables)
+        except InvalidRequest:
+            # Templates without a system role (Gemma 2) refuse the system turn
+            # the tool fallback adds: its text joins the first user turn. (A
+            # system turn of the request's own stays refused.)
+            if had_system or not (msgs and msgs[0]["role"] == "system"):
+                raise
+            return self._render_turns(_leading_system_as_user(msgs), variables)
+
+    def _render_turns(self, msgs: list[dict[str, Any]], variables: dict[str, Any]) -> str:
         inner = _inner_system_texts(msgs)
         if not inner:
             return self._render(msgs, variables)
@@ -271,10 +298,129 @@ class ChatTemplate:
             raise InvalidRequest(f"chat template failed: {type(e).__name__}: {e}") from None
 
 
+class JsonArguments(dict[str, Any]):
+    """Tool-call arguments as templates see them: a mapping (HF's convention),
+    which reads as its JSON text wherever a template treats it as a string.
+
+    DeepSeek's templates write ``'...' + tool['function']['arguments'] + '...'``
+    (OpenAI's arguments are a JSON string), others iterate the mapping or
+    apply ``tojson``; both work.
+
+    >>> '<' + JsonArguments({"a": 1}) + '>'
+    '<{"a": 1}>'
+    """
+
+    def __str__(self) -> str:
+        return json.dumps(self, ensure_ascii=False)
+
+    def __add__(self, other: object) -> str:
+        if isinstance(other, str):
+            return str(self) + other
+        return NotImplemented
+
+    def __radd__(self, other: object) -> str:
+        if isinstance(other, str):
+            return other + str(self)
+        return NotImplemented
+
+
+def _json_arguments(msgs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """``msgs`` with every tool call's mapping arguments as :class:`JsonArguments`."""
+    out = []
+    for m in msgs:
+        calls = m.get("tool_calls")
+        if calls and any(isinstance(c.get("function", {}).get("arguments"), dict) for c in calls):
+            m = {**m, "tool_calls": [_with_json_arguments(c) for c in calls]}
+        out.append(m)
+    return out
+
+
+def _with_json_arguments(call: dict[str, Any]) -> dict[str, Any]:
+    fn = call.get("function")
+    if not isinstance(fn, dict) or not isinstance(fn.get("arguments"), dict):
+        return call
+    return {**call, "function": {**fn, "arguments": JsonArguments(fn["arguments"])}}
+
+
+def _call_id_style(source: str) -> str | None:
+    """How the template needs tool-call ids spelled, or None for as given.
+
+    - ``"mistral"``: nine alphanumerics (Mistral templates raise on others,
+      and the model writes such ids after ``[CALL_ID]``).
+    - ``"kimi"``: ``functions.NAME:INDEX``, the model's own call ids, for
+      Kimi templates that render the id verbatim as the call's name.
+    """
+    if "alphanumeric strings with length 9" in source or "[CALL_ID]" in source:
+        return "mistral"
+    if "<|tool_call_begin|>" in source and "functions." not in source:
+        return "kimi"
+    return None
+
+
+_MISTRAL_ID = re.compile(r"[A-Za-z0-9]{9}")
+_KIMI_ID = re.compile(r"functions\.[^:\s]+:\d+")
+_ALNUM = "0123456789ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz"
+
+
+def _mistral_id(call_id: str) -> str:
+    """A stable nine-character alphanumeric id for ``call_id``."""
+    if _MISTRAL_ID.fullmatch(call_id):
+        return call_id
+    n = int.from_bytes(hashlib.sha256(call_id.encode()).digest()[:8], "big")
+    out = []
+    for _ in range(9):
+        n, r = divmod(n, len(_ALNUM))
+        out.append(_ALNUM[r])
+    return "".join(out)
+
+
+def _template_call_ids(msgs: list[dict[str, Any]], style: str | None) -> list[dict[str, Any]]:
+    """Rewrite tool-call ids (and the tool results' ``tool_call_id``) into
+    ``style`` (:func:`_call_id_style`). Each id depends only on the turns
+    before it, so a conversation renders the same way as it grows."""
+    if style is None:
+        return msgs
+    ids: dict[str, str] = {}
+    out = []
+    for m in msgs:
+        calls = m.get("tool_calls")
+        if calls:
+            new_calls = []
+            for c in calls:
+                old = c.get("id")
+                if isinstance(old, str):
+                    if style == "mistral":
+                        new = _mistral_id(old)
+                    elif _KIMI_ID.fullmatch(old):
+                        new = old
+                    else:
+                        new = f"functions.{c.get('function', {}).get('name', '')}:{len(ids)}"
+                    ids.setdefault(old, new)
+                    c = {**c, "id": ids[old]}
+                new_calls.append(c)
+            m = {**m, "tool_calls": new_calls}
+        ref = m.get("tool_call_id")
+        if m.get("role") == "tool" and isinstance(ref, str):
+            new_ref = ids.get(ref, _mistral_id(ref) if style == "mistral" else ref)
+            m = {**m, "tool_call_id": new_ref}
+        out.append(m)
+    return out
+
+
 #: How a system turn inside the conversation reads when the template only
 #: accepts a leading system prompt: a user turn (or part of one) marked as
 #: a system instruction.
 INNER_SYSTEM_FORMAT = "<system>\n{text}\n</system>"
+
+
+def _leading_system_as_user(msgs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The leading system turn's text put before the first user turn's (or
+    as a user turn of its own when none follows it)."""
+    system, rest = msgs[0], msgs[1:]
+    text = system.get("content") or ""
+    if rest and rest[0]["role"] == "user" and isinstance(rest[0].get("content"), str):
+        return [{**rest[0], "content": f"{text}\n\n{rest[0]['content']}"}, *rest[1:]]
+    return [{"role": "user", "content": text}, *rest]
 
 
 def _inner_system_texts(msgs: list[dict[str, Any]]) -> list[str]:

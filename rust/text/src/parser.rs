@@ -19,6 +19,7 @@ use crate::json_scan::JsonScan;
 use crate::schema::ToolSchemas;
 use crate::tags::{Lookup, Tag, TagSet};
 use crate::tags::{MISTRAL_CALLS, PYTHON_TAG, THINK_CLOSE, THINK_OPEN, TOOL_CLOSE, TOOL_OPEN};
+use crate::tags::{MISTRAL_THINK_CLOSE, MISTRAL_THINK_OPEN};
 use crate::toolcall;
 use crate::{Family, TextError};
 
@@ -125,10 +126,18 @@ impl OutputParser {
         if starts_in_reasoning && !reasoning {
             return Err(TextError::ReasoningOff);
         }
-        let think = [(THINK_OPEN, Tag::ThinkOpen), (THINK_CLOSE, Tag::ThinkClose)];
+        let mut think = vec![(THINK_OPEN, Tag::ThinkOpen), (THINK_CLOSE, Tag::ThinkClose)];
+        if family == Some(Family::Mistral) {
+            // Magistral / Ministral 3 Reasoning think in `[THINK]..[/THINK]`
+            // (special tokens); older Magistral releases wrote `<think>`.
+            think.extend([
+                (MISTRAL_THINK_OPEN, Tag::ThinkOpen),
+                (MISTRAL_THINK_CLOSE, Tag::ThinkClose),
+            ]);
+        }
         let mut text: Vec<(&'static str, Tag)> = Vec::new();
         if reasoning {
-            text.extend(think);
+            text.extend(think.iter().copied());
         }
         match family {
             Some(Family::Hermes | Family::Qwen3Coder) => {

@@ -122,6 +122,8 @@ pub(crate) const TOOL_OPEN: &str = "<tool_call>";
 pub(crate) const TOOL_CLOSE: &str = "</tool_call>";
 pub(crate) const PYTHON_TAG: &str = "<|python_tag|>";
 pub(crate) const MISTRAL_CALLS: &str = "[TOOL_CALLS]";
+pub(crate) const MISTRAL_THINK_OPEN: &str = "[THINK]";
+pub(crate) const MISTRAL_THINK_CLOSE: &str = "[/THINK]";
 
 /// What a recognized tag means.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -144,6 +144,35 @@ fn glm45_calls() {
     check(bad, g, false, false, &[text(bad)]);
 }
 
+#[test]
+fn leading_layout_whitespace_is_dropped() {
+    // GLM-4.5 / 4.6 write `\n<think>` right after `<|assistant|>`; a
+    // template's layout may put spaces before DeepSeek's call section.
+    let body = "f\n<arg_key>a</arg_key>\n<arg_value>1</arg_value>\n";
+    check(
+        &format!("\n<think>plan</think>\n<tool_call>{body}</tool_call>"),
+        Some(Family::Glm45),
+        true,
+        false,
+        &[reasoning("plan"), tc("f", r#"{"a":1}"#, body)],
+    );
+    check(
+        "\n \nHello\n",
+        Some(Family::Glm45),
+        true,
+        false,
+        &[text("Hello\n")],
+    );
+    let call = "<｜tool▁call▁begin｜>f<｜tool▁sep｜>{}<｜tool▁call▁end｜>";
+    check(
+        &format!("   <｜tool▁calls▁begin｜>{call}<｜tool▁calls▁end｜>"),
+        Some(Family::DeepSeekV3),
+        false,
+        false,
+        &[tc("f", "{}", call)],
+    );
+}
+
 // ---- DeepSeek -------------------------------------------------------------
 
 #[test]

@@ -279,6 +279,49 @@ fn mistral_calls() {
     );
 }
 
+#[test]
+fn mistral_think_blocks() {
+    // Magistral / Ministral 3 Reasoning: `[THINK]..[/THINK]`, then a call.
+    let input = r#"[THINK]Need the weather.[/THINK]Checking.[TOOL_CALLS]get_weather[ARGS]{"city": "Paris"}"#;
+    check(
+        input,
+        Some(Family::Mistral),
+        true,
+        false,
+        &[
+            reasoning("Need the weather."),
+            text("Checking."),
+            tc(
+                "get_weather",
+                r#"{"city":"Paris"}"#,
+                r#"get_weather[ARGS]{"city": "Paris"}"#,
+            ),
+        ],
+    );
+    check(
+        "plan[/THINK]\nAnswer.",
+        Some(Family::Mistral),
+        true,
+        true,
+        &[reasoning("plan"), text("Answer.")],
+    );
+    // Reasoning off: the tags are text; other families do not know them.
+    check(
+        "[THINK]x[/THINK]",
+        Some(Family::Mistral),
+        false,
+        false,
+        &[text("[THINK]x[/THINK]")],
+    );
+    check(
+        "[THINK]x[/THINK]",
+        Some(Family::Hermes),
+        true,
+        false,
+        &[text("[THINK]x[/THINK]")],
+    );
+}
+
 /// Random cases per property test; `CAIRN_TEXT_CASES` raises it for a deeper run.
 fn iterations() -> usize {
     std::env::var("CAIRN_TEXT_CASES")

@@ -152,6 +152,9 @@ impl Out {
 /// One family's state machine, driven by [`Driver`].
 pub(crate) trait Machine {
     type Tok: Copy;
+    /// Whitespace that opens the reply is template layout (GLM writes
+    /// `\n<think>` after its role tag), dropped like that after a block.
+    const TRIM_START: bool = false;
     /// The tags active in the current state.
     fn tags(&self) -> &Tags<Self::Tok>;
     /// Content up to the next possible tag. Returns the bytes consumed:
@@ -179,7 +182,7 @@ impl<M: Machine> Driver<M> {
         Driver {
             m,
             buf: String::new(),
-            out: Out::default(),
+            out: Self::fresh_out(),
         }
     }
 
@@ -204,8 +207,15 @@ impl<M: Machine> Driver<M> {
 
     pub fn reset(&mut self) {
         self.buf.clear();
-        self.out = Out::default();
+        self.out = Self::fresh_out();
         self.m.reset();
+    }
+
+    fn fresh_out() -> Out {
+        Out {
+            trim: M::TRIM_START,
+            ..Out::default()
+        }
     }
 
     fn process(&mut self, s: &str, fin: bool) {

@@ -245,6 +245,7 @@ impl Sectioned {
 
 impl Machine for Sectioned {
     type Tok = Tok;
+    const TRIM_START: bool = true;
 
     fn tags(&self) -> &Tags<Tok> {
         match self.mode {
