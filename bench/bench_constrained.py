@@ -7,6 +7,10 @@ SmolLM2-135M-Instruct (fp32, optimized BLAS), one process:
    (seeded), batched: answers that end (end of turn) and validate with
    ``jsonschema``, and answers cut by ``max_tokens`` (a small model looping
    inside a string);
+1b. forced tool calls in every parser family's syntax: the same model with
+   its parser family set to each family in turn (the grammar writes that
+   family's syntax, its Rust parser reads the result), 5 prompts x 2
+   temperatures each: calls to the right tool whose input validates;
 2. mask cost: median time to compute one row's mask in Rust and turn it into
    the MLX array added to its logits, over a walk through a JSON answer;
 3. decode tokens/s at batch 8, 48 tokens each (EOS ignored): every row under a
@@ -39,10 +43,18 @@ import numpy as np
 from mlx_cairn import constrain
 from mlx_cairn.engine import Engine
 from mlx_cairn.models import load
-from mlx_cairn.types import ChatRequest, Done, Message, OutputFormat, SamplingParams, TextDelta
+from mlx_cairn.types import (
+    ChatRequest,
+    Done,
+    Message,
+    OutputFormat,
+    SamplingParams,
+    TextDelta,
+    ToolCall,
+)
 
 sys.path.insert(0, str(Path(__file__).parent.parent / "tests"))
-from test_constrained import SCHEMAS
+from test_constrained import SCHEMAS, TOOLS
 
 
 def pass_rates(engine: Engine, temperature: float) -> tuple[int, int, int]:
@@ -70,6 +82,53 @@ def pass_rates(engine: Engine, temperature: float) -> tuple[int, int, int]:
         jsonschema.validate(json.loads(text), schema)  # an ended answer always validates
         ok += 1
     return ok, cut, len(SCHEMAS)
+
+
+FORCED = [
+    ("What is the weather in Paris?", "required", None),
+    ("What is 2 plus 3?", {"name": "add"}, "add"),
+    ("Find news about llamas.", {"name": "search"}, "search"),
+    ("Hello!", {"name": "get_weather"}, "get_weather"),
+    ("Tell me a joke.", "required", None),
+]
+
+
+def forced_calls(lm, family: str) -> tuple[int, int]:
+    """Forced calls (both temperatures) that come back as one call of the right tool
+    with valid input, out of all, with ``family``'s grammar and parser."""
+    engine = Engine(dataclasses.replace(lm, parser_family=family), max_batch=16, num_blocks=2048)
+    reqs = [
+        ChatRequest(
+            [Message("user", prompt)],
+            max_tokens=160,
+            sampling=SamplingParams(temperature=temp, seed=i),
+            tools=TOOLS,
+            tool_choice=choice,
+            parallel_tool_calls=False,
+        )
+        for temp in (0.0, 0.8)
+        for i, (prompt, choice, _) in enumerate(FORCED)
+    ]
+    prepared = [engine.prepare(r) for r in reqs]
+    with engine._lock:
+        streams = [engine.submit(p) for p in prepared]
+    by_name = {t.name: t.parameters for t in TOOLS}
+    ok = 0
+    for (_, _, want), s in zip(FORCED * 2, streams, strict=True):
+        events = list(s.iter_sync(600))
+        calls = [e for e in events if isinstance(e, ToolCall)]
+        done = events[-1]
+        if not (isinstance(done, Done) and done.stop_reason == "tool_use" and len(calls) == 1):
+            continue
+        if want is not None and calls[0].name != want:
+            continue
+        try:
+            jsonschema.validate(json.loads(calls[0].arguments), by_name[calls[0].name])
+        except (ValueError, KeyError, jsonschema.ValidationError):
+            continue
+        ok += 1
+    engine.close()
+    return ok, len(reqs)
 
 
 def mask_cost(lm) -> float:
@@ -116,15 +175,26 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--tokens", type=int, default=48)
+    ap.add_argument("--families-only", action="store_true", help="only the forced calls per family")
     args = ap.parse_args()
     lm = load(None)
     engine = Engine(lm, max_batch=32, num_blocks=4096)
+    if args.families_only:
+        for family in constrain.GRAMMAR_FAMILIES:
+            ok, n = forced_calls(lm, family)
+            print(f"| {family} | {ok} / {n} |", flush=True)
+        return
     print("| temperature | ended and valid | cut by max_tokens | schemas |")
     print("|---:|---:|---:|---:|")
     for temp in (0.0, 0.8):
         ok, cut, n = pass_rates(engine, temp)
         print(f"| {temp} | {ok} | {cut} | {n} |")
     engine.close()
+    print("\n| family | forced calls: one call of the right tool, valid input |")
+    print("|---|---:|")
+    for family in constrain.GRAMMAR_FAMILIES:
+        ok, n = forced_calls(lm, family)
+        print(f"| {family} | {ok} / {n} |", flush=True)
     print(f"\nmask cost per row step (median): {mask_cost(lm):.0f} us")
     constrain.vocabulary(lm)  # built with the real end-of-turn ids, shared by `fixed`
     fixed = dataclasses.replace(lm, eos_token_ids=set())  # fixed-length outputs
