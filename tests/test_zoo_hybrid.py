@@ -43,7 +43,8 @@ def base_request(engine: Engine, max_tokens: int = MAX_TOKENS):
 
 
 def run(engine: Engine, base, prompt: list[int]):
-    return engine.submit(dataclasses.replace(base, prompt_ids=prompt))
+    # (The base request's last-user-message position means nothing for these ids.)
+    return engine.submit(dataclasses.replace(base, prompt_ids=prompt, last_user_at=None))
 
 
 def finish(stream) -> Done:
@@ -244,3 +245,30 @@ def test_snapshots_go_with_their_blocks(hybrid):
             st = engine.stats()
             assert st.state_snapshots <= 3
         assert engine._cache.stats()["evictions"] > 0
+
+
+def test_another_question_after_the_same_history_hits(hybrid):
+    """The last block before a prompt's last user message is a snapshot point: a
+    second request with the same system prompt and another question hits there
+    at once (not only from the third request on), and equals mlx-lm cold."""
+    system = "You are a careful assistant who answers briefly. " * 6
+
+    def chat(question: str) -> ChatRequest:
+        return ChatRequest(
+            messages=[Message("system", system), Message("user", question)],
+            max_tokens=MAX_TOKENS,
+            sampling=SamplingParams(temperature=0.0),
+        )
+
+    engine = Engine(hybrid, num_blocks=256, block_size=4, step_token_budget=32)
+    with closing_at_rest(engine):
+        finish(engine.submit(chat("What is the capital of France?")))
+        prep = engine.prepare(chat("Name a prime number."))
+        at = prep.last_user_at
+        assert at is not None and 0 < at < len(prep.prompt_ids)
+        s = engine.submit(prep)
+        done = finish(s)
+        assert done.usage.cached_tokens == at // 4 * 4
+        assert done.usage.cached_tokens >= 0.9 * at
+    want = mlx_lm_greedy(hybrid.model.inner, prep.prompt_ids, MAX_TOKENS, set(hybrid.eos_token_ids))
+    assert s.output_ids == want

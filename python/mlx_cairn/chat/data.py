@@ -156,12 +156,14 @@ def unescape_markers(json_text: str) -> str:
 
 
 def encode_rendered(
-    tokenizer: Tokenizer, text: str, marks: DataMarks
-) -> tuple[list[int], list[tuple[int, int, int]]]:
+    tokenizer: Tokenizer, text: str, marks: DataMarks, at: int | None = None
+) -> tuple[list[int], list[tuple[int, int, int]], int | None]:
     """Token ids of a rendered prompt whose request text was marked by ``marks``.
 
-    Returns the ids and, for each special token the template wrote, its
-    ``(start, end, id)`` span in ``text``. The ids are those of
+    Returns the ids; for each special token the template wrote, its
+    ``(start, end, id)`` span in ``text``; and the index of the token holding
+    character ``at`` (None without ``at``, or when request text held
+    special-token text). The ids are those of
     ``tokenizer.encode(marks.restore(text))`` except in runs holding
     request text with special-token text, which are read as plain text.
     """
@@ -174,7 +176,8 @@ def encode_rendered(
         start, end = enc.token_to_chars(i) or (0, 0)  # never None for an added token
         spans.append((start, end, ids[i]))
     if not marks.has_marks(text):
-        return list(ids), spans
+        token_at = enc.char_to_token(at) if at is not None and at < len(text) else None
+        return list(ids), spans, token_at
     out: list[int] = []
     tok, char = 0, 0
     for i, (start, end, tid) in [*zip(where, spans, strict=True), (len(ids), (len(text), 0, -1))]:
@@ -183,4 +186,4 @@ def encode_rendered(
         if tid >= 0:
             out.append(tid)
         tok, char = i + 1, end
-    return out, spans
+    return out, spans, None

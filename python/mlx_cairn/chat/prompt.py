@@ -9,14 +9,15 @@ Example::
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, replace
 from typing import Any
 
 from mlx_cairn.chat.data import DataMarks, encode_rendered
 from mlx_cairn.chat.detect import ReasoningInfo, starts_in_reasoning
 from mlx_cairn.chat.template import ChatTemplate
 from mlx_cairn.chat.tokenizer import Tokenizer
-from mlx_cairn.types import ChatRequest
+from mlx_cairn.types import ChatRequest, Message
 
 
 @dataclass(frozen=True, slots=True)
@@ -27,6 +28,9 @@ class Prompt:
     ids: list[int]
     #: The template left a ``<think>`` block open: output starts as reasoning.
     in_reasoning: bool
+    #: Index of the token where the last user message's text starts, when
+    #: asked for and found (a state snapshot point of hybrid models).
+    last_user_at: int | None = None
 
 
 def template_kwargs(req: ChatRequest, reasoning: ReasoningInfo) -> dict[str, Any]:
@@ -43,6 +47,8 @@ def build_prompt(
     template: ChatTemplate,
     tokenizer: Tokenizer,
     reasoning: ReasoningInfo,
+    *,
+    locate_last_user: bool = False,
 ) -> Prompt:
     """Render ``req`` through the chat template and tokenize it (HF semantics).
 
@@ -50,20 +56,31 @@ def build_prompt(
     when the tokenizer asks for it and the template did not write it. Only
     the template's own markup becomes special tokens: special-token text in
     the request's strings is tokenized as plain text (chat/data.py).
+
+    ``locate_last_user``: also find the token where the last user message's
+    text starts (``Prompt.last_user_at``), by rendering once more with a
+    sentinel character before it; it counts only if the template renders the
+    same text around the sentinel (no template trims or rewrites it).
     """
     tools = req.tools if req.offers_tools else None
     marks = DataMarks(tokenizer.special_tokens)
-    marked = template.render_marked(
-        req.messages,
-        tools,
-        marks,
-        add_generation_prompt=True,
-        kwargs=template_kwargs(req, reasoning),
-    )
-    ids, markup = encode_rendered(tokenizer, marked, marks)
+
+    def render(messages: list[Message]) -> str:
+        return template.render_marked(
+            messages,
+            tools,
+            marks,
+            add_generation_prompt=True,
+            kwargs=template_kwargs(req, reasoning),
+        )
+
+    marked = render(req.messages)
+    at = _last_user_offset(req.messages, marked, render) if locate_last_user else None
+    ids, markup, token_at = encode_rendered(tokenizer, marked, marks, at)
     bos = tokenizer.bos_token_id
     if tokenizer.add_bos and bos is not None and (not ids or ids[0] != bos):
         ids.insert(0, bos)
+        token_at = None if token_at is None else token_at + 1
     # Look for an open reasoning block only after the template's last special
     # token (reasoning tags aside): a "<think>" in the request's text must
     # not make the answer start as reasoning.
@@ -73,4 +90,28 @@ def build_prompt(
         text=marks.restore(marked),
         ids=ids,
         in_reasoning=starts_in_reasoning(marked[tail:], reasoning),
+        last_user_at=token_at,
     )
+
+
+#: A private-use character (plane 15: DataMarks uses plane 16), removed again
+#: before tokenizing.
+_SENTINEL = "\U000ffffd"
+
+
+def _last_user_offset(
+    messages: list[Message], marked: str, render: Callable[[list[Message]], str]
+) -> int | None:
+    """Character offset in ``marked`` where the last user message's text starts, or None."""
+    last = next((i for i in range(len(messages) - 1, -1, -1) if messages[i].role == "user"), None)
+    if last is None or _SENTINEL in marked:
+        return None
+    probe = list(messages)
+    probe[last] = replace(messages[last], content=_SENTINEL + messages[last].content)
+    with_sentinel = render(probe)
+    at = with_sentinel.find(_SENTINEL)
+    if at < 0 or with_sentinel.count(_SENTINEL) != 1:
+        return None
+    if with_sentinel[:at] + with_sentinel[at + 1 :] != marked:
+        return None
+    return at

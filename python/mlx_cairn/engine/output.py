@@ -16,7 +16,7 @@ import secrets
 from typing import Any
 
 from mlx_cairn.engine.sequence import PreparedRequest
-from mlx_cairn.text import TextPipeline, keeps_special_tokens, tool_schemas
+from mlx_cairn.text import TextPipeline, decode_skips, tool_schemas
 from mlx_cairn.types import Event, ReasoningDelta, TextDelta, ToolCall
 
 
@@ -25,9 +25,11 @@ class SequenceOutput:
 
     def __init__(self, tokenizer: Any, prepared: PreparedRequest) -> None:
         family = prepared.parser_family
-        # Families whose tags are special tokens need them in the text.
-        keep = keeps_special_tokens(family)
-        self._detok = tokenizer.detokenizer(skip_special_tokens=not keep)
+        # The parser's tags must reach it even when they are special tokens
+        # ([TOOL_CALLS], <|python_tag|>, <|channel|>, ...); the other special
+        # tokens (BOS, padding, [INST], ...) are dropped here instead.
+        self._skip = decode_skips(tokenizer.special_tokens, family, prepared.reasoning)
+        self._detok = tokenizer.detokenizer(skip_special_tokens=False)
         self._pipeline = TextPipeline(
             list(prepared.request.stop),
             family=family,
@@ -39,6 +41,8 @@ class SequenceOutput:
 
     def push(self, token_id: int) -> tuple[list[Event], str | None]:
         """Feed one sampled (non-EOS) token; return its events and a matched stop, if any."""
+        if token_id in self._skip:
+            return [], None
         text = self._detok.add(token_id)
         if not text:
             return [], None

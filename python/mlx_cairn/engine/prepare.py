@@ -248,6 +248,7 @@ def prepare(
     return PreparedRequest(
         request=request,
         prompt_ids=list(prompt.ids),
+        last_user_at=prompt.last_user_at,
         parser_family=output_family(loaded.parser_family, tools_on),
         reasoning=reasoning,
         in_reasoning=bool(prompt.in_reasoning),

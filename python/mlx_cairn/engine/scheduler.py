@@ -226,9 +226,7 @@ class Scheduler:
         # A step with no decode row stalls no stream: it may prefill more, so
         # one forward call reads the weights for more prompt tokens.
         budget = (
-            self.step_token_budget - len(plan.decode)
-            if plan.decode
-            else self.prefill_token_budget
+            self.step_token_budget - len(plan.decode) if plan.decode else self.prefill_token_budget
         )
         for seq in list(self.running):
             if budget <= 0:
@@ -391,7 +389,8 @@ class Scheduler:
         bs = self.block_size
         start = seq.num_computed
         seq.plan_snapshot = self._release_snapshot(seq.plan_snapshot)
-        for point in self.states.points(seq.num_prompt, bs, seq.branch_blocks):
+        turn = (seq.prepared.last_user_at or 0) // bs
+        for point in self.states.points(seq.num_prompt, bs, seq.branch_blocks, turn):
             end = point * bs
             if end <= start:
                 continue

@@ -55,6 +55,9 @@ class PreparedRequest:
     grammar: Any = None
     #: Output token ids after which the grammar starts (the close of reasoning).
     grammar_after: list[int] = field(default_factory=list)
+    #: Prompt token where the last user message starts (hybrid models: a state
+    #: snapshot point, so another question after the same history hits).
+    last_user_at: int | None = None
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -28,7 +28,8 @@ rest. Slots::
 Snapshot points of a prompt of P tokens (block size bs, in blocks): every
 ``interval`` blocks; the last full block before the prompt's last token,
 ``(P - 1) // bs`` (the longest prefix a later request can reuse: the next
-turn of a conversation); and the branch point, where the prompt's prefix hit
+turn of a conversation); the last block before the last user message (the
+same history with another question); and the branch point, where the prompt's prefix hit
 in the KV cache went past its longest snapshot: two prompts shared the
 prefix up to there, so a third likely does (a shared system prompt and tools
 with another question, a regenerated answer). Prefill chunks are cut at
@@ -148,13 +149,11 @@ class StateSlots:
 
     # ------------------------------------------------------------- policy
 
-    def points(self, num_prompt: int, block_size: int, branch: int = 0) -> list[int]:
+    def points(self, num_prompt: int, block_size: int, branch: int = 0, turn: int = 0) -> list[int]:
         """Snapshot points of a prompt, in blocks (ascending); ``branch``: where its
-        prefix hit in the KV cache ended, past its longest snapshot (0: none)."""
+        prefix hit in the KV cache ended, past its longest snapshot; ``turn``: the
+        last full block before its last user message (0: none)."""
         last = (num_prompt - 1) // block_size
         pts = set(range(self.interval, last, self.interval))
-        if last > 0:
-            pts.add(last)
-        if 0 < branch <= last:
-            pts.add(branch)
+        pts.update(p for p in (last, branch, turn) if 0 < p <= last)
         return sorted(pts)

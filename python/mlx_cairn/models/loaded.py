@@ -47,8 +47,20 @@ class LoadedModel:
     extra: dict[str, object] = field(default_factory=dict)
 
     def prompt(self, req: ChatRequest) -> Prompt:
-        """Render ``req`` through the chat template and tokenize it."""
-        return build_prompt(req, self.template, self.tokenizer, self.reasoning)
+        """Render ``req`` through the chat template and tokenize it (for a hybrid
+        model, also where its last user message starts: a state snapshot point)."""
+        return build_prompt(
+            req,
+            self.template,
+            self.tokenizer,
+            self.reasoning,
+            locate_last_user=self.has_recurrent_state,
+        )
+
+    @property
+    def has_recurrent_state(self) -> bool:
+        """Some layer keeps a recurrent state (a hybrid or state-space model)."""
+        return any(s.state for s in getattr(self.model, "layer_specs", None) or ())
 
 
 def assemble(
