@@ -30,6 +30,7 @@ __all__ = [  # noqa: RUF022  (grouped by section)
     "TextPipeline",
     "coalesce",
     "parse_output",
+    "parser_tags",
     # constrain
     "CompiledGrammar",
     "GrammarMatcher",
@@ -142,6 +143,7 @@ def parse_output(
     tool_schemas: _ToolSchemas = None,
 ) -> list[Segment]: ...
 def coalesce(segments: Sequence[Segment]) -> list[Segment]: ...
+def parser_tags(family: str | None = None, reasoning: bool = False) -> list[str]: ...
 
 # (end of text section)
 

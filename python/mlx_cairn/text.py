@@ -60,7 +60,7 @@ Semantics in brief (see the class docstrings for details):
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from typing import Any, Literal
 
 from mlx_cairn._core import (
@@ -71,6 +71,7 @@ from mlx_cairn._core import (
     TextPipeline,
     coalesce,
     parse_output,
+    parser_tags,
 )
 
 #: The tool-call family names accepted by ``family=``.
@@ -89,12 +90,25 @@ Family = Literal[
 ]
 SegmentKind = Literal["text", "reasoning", "tool_call"]
 
-#: Families whose tags are special tokens of their tokenizers (gpt-oss's
-#: ``<|channel|>``, Gemma 4's ``<|tool_call>``, Kimi's sections, ...): their
-#: output must be decoded with special tokens kept, or the parser never sees
-#: the structure. Markers the parser does not know stay dropped by it.
+#: Families whose tags are special tokens of their models' tokenizers
+#: (gpt-oss's ``<|channel|>``, Gemma 4's ``<|tool_call>``, Kimi's sections,
+#: Mistral's ``[TOOL_CALLS]``, Llama 3's ``<|python_tag|>``, ...): decoding
+#: that skips special tokens loses their structure. (Hermes' ``<tool_call>``
+#: is special in some tokenizers, Hermes 3's, and plain in Qwen's.) The
+#: engine decodes every family's output with the parser's tags kept, special
+#: or not (:func:`decode_skips`).
 SPECIAL_TOKEN_FAMILIES: frozenset[str] = frozenset(
-    {"harmony", "glm45", "deepseek_v3", "kimi_k2", "gemma4", "minimax_m2", "pythonic"}
+    {
+        "harmony",
+        "glm45",
+        "deepseek_v3",
+        "kimi_k2",
+        "gemma4",
+        "minimax_m2",
+        "pythonic",
+        "mistral",
+        "llama3",
+    }
 )
 
 #: Families whose replies are structured even without tools (gpt-oss writes
@@ -104,8 +118,28 @@ STRUCTURAL_FAMILIES: frozenset[str] = frozenset({"harmony", "gemma4"})
 
 
 def keeps_special_tokens(family: str | None) -> bool:
-    """Whether output for ``family`` must be decoded with special tokens kept."""
+    """Whether ``family``'s structure is made of special tokens (see
+    :data:`SPECIAL_TOKEN_FAMILIES`)."""
     return family in SPECIAL_TOKEN_FAMILIES
+
+
+def decode_skips(
+    specials: Mapping[str, int], family: str | None, reasoning: bool
+) -> frozenset[int]:
+    """The special tokens to drop when decoding output for a parser.
+
+    Output is decoded with special tokens kept, except these: the ones the
+    parser for ``family`` / ``reasoning`` does not read (:func:`parser_tags`),
+    which would otherwise show as text (BOS, padding, Mistral's ``[INST]``,
+    reserved tokens). Every tag the parser reads reaches it, whether the
+    tokenizer makes it special or not; it drops the end-of-turn markers
+    among them itself.
+
+    >>> sorted(decode_skips({"<s>": 1, "[TOOL_CALLS]": 5, "[INST]": 3}, "mistral", False))
+    [1, 3]
+    """
+    keep = set(parser_tags(family, reasoning))
+    return frozenset(i for text, i in specials.items() if text not in keep)
 
 
 def output_family(family: str | None, tools_on: bool) -> str | None:
@@ -143,8 +177,10 @@ __all__ = [
     "StopScanner",
     "TextPipeline",
     "coalesce",
+    "decode_skips",
     "keeps_special_tokens",
     "output_family",
     "parse_output",
+    "parser_tags",
     "tool_schemas",
 ]

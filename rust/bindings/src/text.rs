@@ -390,6 +390,13 @@ fn parse_output(
     segs.map(wrap).map_err(value_error)
 }
 
+/// Every tag the parser for `family` reads (see `cairn_text::parser_tags`).
+#[pyfunction]
+#[pyo3(signature = (family = None, reasoning = false))]
+fn parser_tags(family: Option<&str>, reasoning: bool) -> PyResult<Vec<&'static str>> {
+    Ok(core::parser_tags(parse_family(family)?, reasoning))
+}
+
 /// Merges adjacent text (and adjacent reasoning) segments, drops empty ones.
 #[pyfunction]
 fn coalesce(segments: Vec<PyRef<'_, PySegment>>) -> Vec<PySegment> {
@@ -405,6 +412,7 @@ pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<PyTextPipeline>()?;
     m.add_function(wrap_pyfunction!(parse_output, m)?)?;
     m.add_function(wrap_pyfunction!(coalesce, m)?)?;
+    m.add_function(wrap_pyfunction!(parser_tags, m)?)?;
     m.add("FAMILIES", Family::NAMES.to_vec())?;
     Ok(())
 }

@@ -38,7 +38,7 @@ mod toolcall;
 pub mod reference;
 
 pub use error::TextError;
-pub use parser::{parse_output, OutputParser, Segment, ToolCall};
+pub use parser::{parse_output, parser_tags, OutputParser, Segment, ToolCall};
 pub use pipeline::TextPipeline;
 pub use schema::ToolSchemas;
 pub use stop::StopScanner;

@@ -489,6 +489,45 @@ impl OutputParser {
     }
 }
 
+/// Every tag the parser for `family` (`None`: no tool calls) reads with
+/// these settings: tool-call and reasoning tags and the end-of-turn markers
+/// it drops. These are the special tokens a detokenizer must keep for it;
+/// any other special token is not the parser's and would show as text.
+///
+/// ```
+/// use cairn_text::{parser_tags, Family};
+/// assert!(parser_tags(Some(Family::Mistral), true).contains(&"[THINK]"));
+/// assert!(parser_tags(Some(Family::Llama3), false).contains(&"<|python_tag|>"));
+/// assert!(!parser_tags(None, false).contains(&"<think>"));
+/// ```
+pub fn parser_tags(family: Option<Family>, reasoning: bool) -> Vec<&'static str> {
+    let mut tags = Vec::new();
+    match family {
+        None => {}
+        Some(Family::Hermes | Family::Qwen3Coder) => {
+            tags.extend([TOOL_OPEN, TOOL_CLOSE]);
+            tags.extend(toolcall::XML_TAGS);
+        }
+        Some(Family::Llama3) => tags.push(PYTHON_TAG),
+        Some(Family::Mistral) => {
+            tags.extend([
+                MISTRAL_CALLS,
+                toolcall::MISTRAL_ARGS,
+                toolcall::MISTRAL_CALL_ID,
+            ]);
+            if reasoning {
+                tags.extend([MISTRAL_THINK_OPEN, MISTRAL_THINK_CLOSE]);
+            }
+        }
+        Some(f) => return crate::formats::family_tags(f, reasoning),
+    }
+    if reasoning {
+        tags.extend([THINK_OPEN, THINK_CLOSE]);
+    }
+    tags.extend(crate::END_MARKERS);
+    tags
+}
+
 /// One-shot form of [`OutputParser`]: equal to the coalesced streamed result
 /// for every chunking.
 pub fn parse_output(

@@ -94,6 +94,10 @@ const FN_OPEN: &str = "<function=";
 const FN_CLOSE: &str = "</function>";
 const PARAM_OPEN: &str = "<parameter=";
 const PARAM_CLOSE: &str = "</parameter>";
+/// The tags inside a Qwen3-Coder call.
+pub(crate) const XML_TAGS: &[&str] = &[FN_OPEN, FN_CLOSE, PARAM_OPEN, PARAM_CLOSE];
+pub(crate) const MISTRAL_ARGS: &str = "[ARGS]";
+pub(crate) const MISTRAL_CALL_ID: &str = "[CALL_ID]";
 
 /// Whether a `</tool_call>` that follows `body` (seen outside any JSON
 /// string) closes the call.
@@ -215,8 +219,11 @@ pub(crate) fn parse_mistral(body: &str) -> Option<Vec<ToolCall>> {
     if t.starts_with('{') {
         return parse_json_call(body);
     }
-    let (head, args) = t.split_once("[ARGS]")?;
-    let name = head.split_once("[CALL_ID]").map_or(head, |(n, _)| n).trim();
+    let (head, args) = t.split_once(MISTRAL_ARGS)?;
+    let name = head
+        .split_once(MISTRAL_CALL_ID)
+        .map_or(head, |(n, _)| n)
+        .trim();
     if name.is_empty() || name.contains(['[', '{', '<']) {
         return None;
     }

@@ -65,6 +65,8 @@ const ARG_KEY: &str = "<arg_key>";
 const ARG_KEY_END: &str = "</arg_key>";
 const ARG_VALUE: &str = "<arg_value>";
 const ARG_VALUE_END: &str = "</arg_value>";
+/// The tags inside a GLM call.
+pub(crate) const GLM_TAGS: &[&str] = &[ARG_KEY, ARG_KEY_END, ARG_VALUE, ARG_VALUE_END];
 
 /// `</tool_call>` ends a GLM call unless it falls inside a value: once an
 /// `<arg_value>` opened, only right after `</arg_value>` (whitespace
@@ -111,6 +113,8 @@ const INVOKE: &str = "<invoke name=";
 const INVOKE_END: &str = "</invoke>";
 const PARAM: &str = "<parameter name=";
 const PARAM_END: &str = "</parameter>";
+/// The tags inside a MiniMax section.
+pub(crate) const MINIMAX_TAGS: &[&str] = &[INVOKE, INVOKE_END, PARAM, PARAM_END];
 
 /// `</minimax:tool_call>` ends the section unless it falls inside a value:
 /// once a `<parameter` opened, only right after `</invoke>`.
@@ -179,6 +183,8 @@ pub(crate) const DS_CALLS_END: &str = "<｜tool▁calls▁end｜>";
 const DS_CALL_BEGIN: &str = "<｜tool▁call▁begin｜>";
 const DS_CALL_END: &str = "<｜tool▁call▁end｜>";
 const DS_SEP: &str = "<｜tool▁sep｜>";
+/// The tags inside a DeepSeek section.
+pub(crate) const DS_TAGS: &[&str] = &[DS_CALL_BEGIN, DS_CALL_END, DS_SEP];
 
 /// Calls `<｜tool▁call▁begin｜>..<｜tool▁call▁end｜>`, whitespace between;
 /// the last may be cut by the end of the stream. Each is V3's
@@ -207,6 +213,8 @@ pub(crate) fn parse_deepseek(body: &str, _: &ToolSchemas) -> Calls {
 const KIMI_CALL_BEGIN: &str = "<|tool_call_begin|>";
 const KIMI_CALL_END: &str = "<|tool_call_end|>";
 const KIMI_ARGS: &str = "<|tool_call_argument_begin|>";
+/// The tags inside a Kimi section.
+pub(crate) const KIMI_TAGS: &[&str] = &[KIMI_CALL_BEGIN, KIMI_CALL_END, KIMI_ARGS];
 
 /// Calls `<|tool_call_begin|>functions.NAME:IDX<|tool_call_argument_begin|>{..}<|tool_call_end|>`.
 /// The name is the id without its `functions.` prefix and `:IDX` suffix.

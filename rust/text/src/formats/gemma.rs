@@ -9,7 +9,7 @@ use serde_json::{Map, Value};
 use super::bodies::{name_ok, Calls};
 use crate::schema::ToolSchemas;
 
-const QUOTE: &str = "<|\"|>";
+pub(crate) const QUOTE: &str = "<|\"|>";
 
 /// `<tool_call|>` ends the section only outside a `<|"|>` string.
 pub(crate) fn closes(body: &str) -> bool {

@@ -29,6 +29,8 @@ const CONSTRAIN: &str = "<|constrain|>";
 const END: &str = "<|end|>";
 const CALL: &str = "<|call|>";
 const RETURN: &str = "<|return|>";
+/// Every tag the parser reads.
+pub(crate) const TAGS: &[&str] = &[START, CHANNEL, MESSAGE, CONSTRAIN, END, CALL, RETURN];
 
 /// Longest header kept before it is taken for prose.
 const MAX_HEADER: usize = 256;

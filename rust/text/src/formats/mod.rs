@@ -311,6 +311,37 @@ impl FormatParser {
     }
 }
 
+/// Every tag `family`'s parser reads (end-of-turn markers included), the
+/// texts that must reach it when they are special tokens; see
+/// [`crate::parser_tags`], which covers the other families.
+pub(crate) fn family_tags(family: Family, reasoning: bool) -> Vec<&'static str> {
+    let mut tags: Vec<&'static str> = crate::END_MARKERS.to_vec();
+    let spec = match family {
+        Family::Hermes | Family::Qwen3Coder | Family::Llama3 | Family::Mistral => {
+            unreachable!("OutputParser's own families")
+        }
+        Family::Harmony => {
+            tags.extend(harmony::TAGS);
+            return tags;
+        }
+        Family::Pythonic => {
+            tags.extend(pythonic::TAGS);
+            tags.extend(pythonic::LLAMA_MARKERS);
+            if reasoning {
+                tags.extend(["<think>", "</think>"]);
+            }
+            return tags;
+        }
+        Family::Glm45 => &sectioned::GLM45,
+        Family::DeepSeekV3 => &sectioned::DEEPSEEK_V3,
+        Family::KimiK2 => &sectioned::KIMI_K2,
+        Family::Gemma4 => &sectioned::GEMMA4,
+        Family::MiniMaxM2 => &sectioned::MINIMAX_M2,
+    };
+    tags.extend(spec.tags(reasoning));
+    tags
+}
+
 /// The end-of-turn markers of [`crate::END_MARKERS`] plus `extra`, as
 /// dropped tags, leaving out any in `except` (tags a family gives meaning).
 pub(crate) fn markers<T: Copy>(

@@ -15,9 +15,11 @@ use super::{markers, Machine, Out, Tags};
 
 const PY_START: &str = "<|python_start|>";
 const PY_END: &str = "<|python_end|>";
+/// The tags the parser reads besides its markers.
+pub(crate) const TAGS: &[&str] = &[PY_START, PY_END];
 /// Llama 4's end-of-turn markers, and Llama 3's `<|python_tag|>`: dropped, so
 /// the list after it opens the reply.
-const LLAMA_MARKERS: &[&str] = &[
+pub(crate) const LLAMA_MARKERS: &[&str] = &[
     "<|eot|>",
     "<|eom|>",
     "<|header_start|>",

@@ -31,6 +31,8 @@ pub(crate) struct Spec {
     pub close: &'static [&'static str],
     /// End-of-turn markers besides [`crate::END_MARKERS`]; dropped.
     pub markers: &'static [&'static str],
+    /// Tags inside a section, which its body parser reads.
+    pub inner: &'static [&'static str],
     /// Whether `close`, met after this much body, ends the section (it may
     /// be value text inside it).
     pub closes: fn(&str) -> bool,
@@ -49,6 +51,7 @@ pub(crate) static GLM45: Spec = Spec {
     opens: &["<tool_call>"],
     close: &["</tool_call>"],
     markers: &["<|user|>", "<|assistant|>", "<|observation|>", "<|system|>"],
+    inner: bodies::GLM_TAGS,
     closes: bodies::glm_closes,
     parse: bodies::parse_glm,
 };
@@ -65,6 +68,7 @@ pub(crate) static DEEPSEEK_V3: Spec = Spec {
         "<｜Assistant｜>",
         "<｜User｜>",
     ],
+    inner: bodies::DS_TAGS,
     closes: always,
     parse: bodies::parse_deepseek,
 };
@@ -85,6 +89,7 @@ pub(crate) static KIMI_K2: Spec = Spec {
         "<|im_system|>",
         "<|im_middle|>",
     ],
+    inner: bodies::KIMI_TAGS,
     closes: always,
     parse: bodies::parse_kimi,
 };
@@ -104,6 +109,7 @@ pub(crate) static GEMMA4: Spec = Spec {
         "<bos>",
         "<|think|>",
     ],
+    inner: &[gemma::QUOTE],
     closes: gemma::closes,
     parse: gemma::parse,
 };
@@ -115,6 +121,7 @@ pub(crate) static MINIMAX_M2: Spec = Spec {
     opens: &["<minimax:tool_call>"],
     close: &["</minimax:tool_call>"],
     markers: &["]~b]", "]~!b[", "[e~["],
+    inner: bodies::MINIMAX_TAGS,
     closes: bodies::minimax_closes,
     parse: bodies::parse_minimax,
 };
@@ -133,6 +140,20 @@ enum Mode {
     Text,
     Reasoning,
     Body,
+}
+
+impl Spec {
+    /// Every tag the family's parser reads, with reasoning on or off.
+    pub fn tags(&self, reasoning: bool) -> impl Iterator<Item = &'static str> {
+        let think = reasoning || self.always_think;
+        [self.think.0, self.think.1]
+            .into_iter()
+            .filter(move |_| think)
+            .chain(self.opens.iter().copied())
+            .chain(self.close.iter().copied())
+            .chain(self.markers.iter().copied())
+            .chain(self.inner.iter().copied())
+    }
 }
 
 /// The state machine for one [`Spec`].
