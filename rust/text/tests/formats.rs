@@ -687,3 +687,76 @@ fn family_names_round_trip() {
     }
     assert_eq!(Family::ALL.len(), Family::NAMES.len());
 }
+
+#[test]
+fn parser_tags_list_what_each_parser_reads() {
+    use cairn_text::{parser_tags, END_MARKERS};
+    let has = |f: Family, reasoning: bool, t: &str| parser_tags(Some(f), reasoning).contains(&t);
+    for (f, tags) in [
+        (Family::Hermes, &["<tool_call>", "</tool_call>"][..]),
+        (
+            Family::Qwen3Coder,
+            &["<tool_call>", "<function=", "</parameter>"][..],
+        ),
+        (Family::Llama3, &["<|python_tag|>"][..]),
+        (
+            Family::Mistral,
+            &["[TOOL_CALLS]", "[ARGS]", "[CALL_ID]"][..],
+        ),
+        (
+            Family::Harmony,
+            &[
+                "<|start|>",
+                "<|channel|>",
+                "<|message|>",
+                "<|constrain|>",
+                "<|end|>",
+            ][..],
+        ),
+        (
+            Family::Glm45,
+            &["<tool_call>", "<arg_key>", "</arg_value>"][..],
+        ),
+        (
+            Family::DeepSeekV3,
+            &[
+                "<｜tool▁calls▁begin｜>",
+                "<｜tool▁call▁begin｜>",
+                "<｜tool▁sep｜>",
+            ][..],
+        ),
+        (
+            Family::KimiK2,
+            &[
+                "<|tool_calls_section_begin|>",
+                "<|tool_call_argument_begin|>",
+            ][..],
+        ),
+        (
+            Family::Gemma4,
+            &["<|tool_call>", "<tool_call|>", "<|\"|>", "<|channel>"][..],
+        ),
+        (
+            Family::MiniMaxM2,
+            &["<minimax:tool_call>", "<invoke name="][..],
+        ),
+        (
+            Family::Pythonic,
+            &["<|python_start|>", "<|python_end|>"][..],
+        ),
+    ] {
+        for t in tags {
+            assert!(has(f, false, t), "{f} {t}");
+        }
+        for m in END_MARKERS {
+            assert!(has(f, false, m), "{f} {m}");
+        }
+    }
+    // Reasoning tags only when reasoning is parsed (Gemma 4's always are).
+    assert!(has(Family::Mistral, true, "[THINK]") && !has(Family::Mistral, false, "[THINK]"));
+    assert!(has(Family::Glm45, true, "<think>") && !has(Family::Glm45, false, "<think>"));
+    assert!(has(Family::Gemma4, false, "<channel|>"));
+    assert!(!has(Family::Harmony, true, "<think>"));
+    assert!(parser_tags(None, true).contains(&"</think>"));
+    assert!(!parser_tags(None, false).contains(&"<tool_call>"));
+}
