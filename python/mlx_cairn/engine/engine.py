@@ -20,21 +20,26 @@ leave through each request's :class:`~mlx_cairn.engine.stream.RequestStream`.
 from __future__ import annotations
 
 import atexit
+import concurrent.futures
 import contextlib
 import itertools
 import logging
+import os
 import threading
 import time
 import weakref
 from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import replace
+from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
+import numpy as np
 
 from mlx_cairn import constrain
 from mlx_cairn.constrain import GrammarMask
 from mlx_cairn.engine import prepare as _prep
+from mlx_cairn.engine.disk import DiskTier, stable_seed
 from mlx_cairn.engine.logits import masks_for
 from mlx_cairn.engine.paged import KVPools, LayerSpec, pool_blocks
 from mlx_cairn.engine.runner import ModelRunner, SampledStep, StepOutput, merge_outputs
@@ -52,6 +57,8 @@ log = logging.getLogger("mlx_cairn.engine")
 
 #: Default memory for the state snapshots of a hybrid model.
 DEFAULT_SNAPSHOT_BYTES = 1 << 30
+#: Default size of the disk tier (GiB, the whole directory).
+DEFAULT_DISK_GB = 16.0
 
 _live_engines: weakref.WeakSet[Engine] = weakref.WeakSet()
 
@@ -87,6 +94,9 @@ class Engine:
             :data:`DEFAULT_SNAPSHOT_BYTES` holds (at least 4, at most 256); with
             ``kv_cache_gb`` the snapshots' memory is taken from that budget.
         snapshot_interval: snapshot points every this many blocks of a prompt.
+        kv_disk_dir: a directory for the disk tier under the pool (engine/disk.py):
+            evicted blocks are kept there, across restarts, up to ``kv_disk_gb``
+            GiB for the whole directory. Not used for models with recurrent layers.
     """
 
     def __init__(
@@ -103,6 +113,8 @@ class Engine:
         kv_dtype: mx.Dtype | None = None,
         state_snapshots: int | None = None,
         snapshot_interval: int = DEFAULT_INTERVAL_BLOCKS,
+        kv_disk_dir: str | os.PathLike[str] | None = None,
+        kv_disk_gb: float = DEFAULT_DISK_GB,
     ) -> None:
         for name, val in (
             ("block_size", block_size),
@@ -166,7 +178,28 @@ class Engine:
             num_slots=states.num_slots if states is not None else 0,
         )
         self._pool = BlockPool(num_blocks=num_blocks, block_size=block_size)
-        self._cache = PrefixCache(self._pool)
+        self._disk: DiskTier | None = None
+        self._seed: int | None = None
+        if kv_disk_dir is not None:
+            if states is not None:
+                log.warning(
+                    "the disk tier does not keep recurrent state yet: not used for %s",
+                    loaded_model.name,
+                )
+            else:
+                if not (isinstance(kv_disk_gb, (int, float)) and kv_disk_gb > 0):
+                    raise ValueError(f"kv_disk_gb must be positive, got {kv_disk_gb!r}")
+                # Hashes must mean the same after a restart: seed the chain from the model.
+                self._seed = stable_seed(str(loaded_model.identity))
+                self._disk = DiskTier(
+                    Path(kv_disk_dir),
+                    budget_bytes=int(kv_disk_gb * (1 << 30)),
+                    identity=str(loaded_model.identity),
+                    block_size=block_size,
+                    dtype=kv_dtype,
+                    layers=layer_specs,
+                )
+        self._cache = PrefixCache(self._pool, seed=self._seed)
         self._scheduler = Scheduler(
             self._pool,
             self._cache,
@@ -175,6 +208,11 @@ class Engine:
             prefill_token_budget=prefill_token_budget or 4 * step_token_budget,
             states=states,
         )
+        if self._disk is not None:
+            disk = self._disk
+            self._scheduler.disk = disk
+            self._scheduler.on_evict = lambda victims: disk.capture(victims, self._pools)
+            self._scheduler.on_loaded = self._disk_loaded
         _materialize(model)
         self._runner = ModelRunner(model, self._pools)
         self._eos = frozenset(int(t) for t in loaded_model.eos_token_ids)
@@ -352,6 +390,8 @@ class Engine:
         if closing:
             self._drain_inflight()
             up.fail_all("the engine was closed", count=False)
+            if self._disk is not None:
+                self._save_resident()
             self._snapshot_stats()
             return False
         try:
@@ -385,6 +425,9 @@ class Engine:
                 launched = self._launch_isolated(plan)
                 if launched is not None:
                     up.launched(launched)
+        elif self._inflight is None and (reads := self._scheduler.loading()):
+            # Only requests whose blocks are being read from disk wait: wait for one.
+            concurrent.futures.wait(reads, timeout=0.05, return_when="FIRST_COMPLETED")
         elif self._inflight is None:
             up.unstick()
             self._stalled = self._scheduler.has_work()
@@ -393,6 +436,8 @@ class Engine:
         previous, self._inflight = self._inflight, launched
         if previous is not None:
             self._apply(previous)
+        if self._disk is not None:
+            self._disk.flush()
         if launched is not None and launched.deferred and self._inflight is launched:
             self._inflight = self._sample_deferred(launched)
 
@@ -537,7 +582,7 @@ class Engine:
             p = self._pools
             p.reset()
             self._pool = BlockPool(num_blocks=p.num_blocks, block_size=p.block_size)
-            self._cache = PrefixCache(self._pool)
+            self._cache = PrefixCache(self._pool, seed=self._seed)
             self._scheduler.pool, self._scheduler.cache = self._pool, self._cache
             if (st := self._scheduler.states) is not None:
                 self._scheduler.states = StateSlots(
@@ -546,6 +591,58 @@ class Engine:
                     interval=st.interval,
                     slot_bytes=st.slot_bytes,
                 )
+
+    def _save_resident(self) -> None:
+        """At close every cached block leaves the pool: the disk tier keeps them."""
+        disk = self._disk
+        assert disk is not None
+        try:
+            cached = [
+                (b, h)
+                for b in range(1, self._pool.num_blocks)
+                if (h := self._cache.block_hash(b)) is not None
+            ]
+            if cached:
+                disk.capture(cached, self._pools)
+            disk.flush()
+            if not disk.drain(timeout=60.0):
+                log.warning("disk tier: writes still pending at close")
+        except Exception:  # the tier is a cache: never fail a close on it
+            log.exception("disk tier: saving the cached blocks failed")
+        finally:
+            disk.close()
+
+    def _disk_loaded(self, seq: Sequence) -> None:
+        """A waiting request's blocks came back from disk: put them in fresh pool blocks and
+        register them, so its admission finds them (engine thread; a failed or stale
+        read only loses the hit)."""
+        fut = seq.disk_read
+        try:
+            loaded = fut.result()
+        except Exception as e:
+            log.warning("disk tier: a read failed: %s", e)
+            return
+        if not loaded.hashes:
+            return
+        sched, bs = self._scheduler, self.block_size
+        start, k = seq.disk_start, len(loaded.hashes)
+        hashes = self._cache.hash_blocks(seq.tokens[: (start + k) * bs], salt=seq.prepared.salt)
+        hit = list(self._cache.lookup(hashes)) if start else []
+        ids = sched._allocate(k) if len(hit) == start else None
+        if ids is None:
+            if hit:
+                self._pool.free(hit)
+            return
+        where = mx.array(ids, dtype=mx.int32)
+        p = self._pools
+        for j, layer in enumerate(self._disk.kv_layers):  # type: ignore[union-attr]
+            for pool, part in ((p.k[layer], 2 * j), (p.v[layer], 2 * j + 1)):
+                assert pool is not None
+                host = np.stack([d[part] for d in loaded.data])
+                arr = mx.array(host)
+                pool[where] = arr.view(mx.bfloat16) if pool.dtype == mx.bfloat16 else arr
+        self._cache.insert(hashes, hit + list(ids))
+        self._pool.free(hit + list(ids))
 
     def _snapshot_stats(self) -> None:
         c = self._cache.stats()
@@ -568,6 +665,19 @@ class Engine:
             requests_failed=up.failed,
             requests_cancelled=up.cancelled,
         )
+        if (d := self._disk) is not None:
+            ds = d.stats
+            snap = replace(
+                snap,
+                disk_blocks=ds.blocks,
+                disk_bytes=ds.bytes,
+                disk_hit_blocks=ds.hit_blocks,
+                disk_written_blocks=ds.written_blocks,
+                disk_read_bytes=ds.read_bytes,
+                disk_read_seconds=ds.read_seconds,
+                disk_write_bytes=ds.write_bytes,
+                disk_write_seconds=ds.write_seconds,
+            )
         if (st := sched.states) is not None:
             snap = replace(
                 snap,

@@ -163,6 +163,11 @@ class Scheduler:
         self.cache = cache
         #: Recurrent-state slots and snapshots (models with recurrent layers), or None.
         self.states = states
+        #: The disk tier (engine/disk.py) and the engine's hooks for it: blocks about
+        #: to be evicted, and a request whose blocks were read back.
+        self.disk: Any = None
+        self.on_evict: Callable[[list[tuple[int, int]]], None] | None = None
+        self.on_loaded: Callable[[Sequence], None] | None = None
         self.block_size: int = pool.block_size
         self.max_batch = max_batch
         self.step_token_budget = step_token_budget
@@ -194,6 +199,10 @@ class Scheduler:
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
+
+    def loading(self) -> list[Any]:
+        """The disk reads waiting requests wait for (engine/disk.py)."""
+        return [s.disk_read for s in self.waiting if s.disk_read is not None]
 
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
@@ -240,10 +249,17 @@ class Scheduler:
                     budget -= n
             except Exception as e:
                 self._drop(seq, e, plan)
-        while budget > 0 and self.waiting and len(self.running) < self.max_batch:
-            seq = self.waiting[0]
+        for seq in list(self.waiting):
+            if budget <= 0 or len(self.running) >= self.max_batch:
+                break
             if seq.inflight:  # preempted with a token in flight: recompute once it is known
                 break
+            if seq.disk_read is not None:
+                if not seq.disk_read.done():
+                    continue  # its blocks are being read from disk: the others go on
+                if self.on_loaded is not None:
+                    self.on_loaded(seq)
+                seq.disk_read = None
             try:
                 if check is not None:
                     check(seq)
@@ -251,6 +267,8 @@ class Scheduler:
             except Exception as e:
                 self._drop(seq, e, plan)
                 continue
+            if n < 0:
+                continue  # it started a read from the disk tier
             if n == 0:
                 break
             if seq.num_pending == 1 and n == 1:
@@ -279,6 +297,18 @@ class Scheduler:
         rest = seq.tokens[len(head) * self.block_size :]
         hashes = self.cache.hash_blocks(rest, prefix=head)
         hit = list(self.cache.lookup(hashes))
+        if self.disk is not None and not seq.disk_tried:
+            seq.disk_tried = True
+            limit = min(len(hashes), (len(seq.tokens) - 1) // self.block_size)
+            k = self.disk.run_length(hashes, len(hit), limit)
+            if k > 0:  # the cached prefix goes on on disk: read it, admit afterwards
+                if hit:
+                    self.pool.free(hit)
+                seq.disk_start = len(hit)
+                seq.disk_read = self.disk.read(
+                    [int(hashes[i]) for i in range(len(hit), len(hit) + k)]
+                )
+                return -1
         new: list[int] | None = []
         n = 0
         try:  # the lookup took references: give them back if anything below fails
@@ -291,14 +321,14 @@ class Scheduler:
             if new is not None:
                 n = self._chunk(seq, min(len(seq.tokens) - computed, budget))
                 need = self.blocks_needed(computed + n) - len(hit)
-                new = self.pool.allocate(need) if need > 0 else []
+                new = self._allocate(need) if need > 0 else []
         except BaseException:
             self._unadmit(seq, hit)
             raise
         if new is None:
             self._unadmit(seq, hit)
             return 0
-        self.waiting.pop(0)
+        self.waiting.remove(seq)
         if self.states is not None and seq.state_read:
             self.states.hits += 1
             self.states.hit_tokens += computed
@@ -311,6 +341,16 @@ class Scheduler:
         bisect.insort(self.running, seq, key=lambda s: s.arrival)
         return n
 
+    def _allocate(self, n: int) -> list[int] | None:
+        """``pool.allocate(n)``; with a disk tier, the cached blocks it is about to evict
+        (the head of the free list) are handed to ``on_evict`` first."""
+        if self.on_evict is not None and 0 < n <= self.pool.num_free_blocks:
+            head = self.pool.free_list()[:n]
+            victims = [(b, h) for b in head if (h := self.cache.block_hash(b)) is not None]
+            if victims:
+                self.on_evict(victims)
+        return self.pool.allocate(n)  # type: ignore[no-any-return]
+
     def _grow(self, seq: Sequence, n: int, plan: _Draft) -> bool:
         """Make ``seq``'s blocks cover ``n`` more tokens, preempting the youngest if needed.
 
@@ -318,7 +358,7 @@ class Scheduler:
         """
         need = self.blocks_needed(seq.num_computed + n) - len(seq.block_ids)
         while need > 0:
-            new = self.pool.allocate(need)
+            new = self._allocate(need)
             if new is not None:
                 seq.block_ids.extend(new)
                 return True
@@ -332,6 +372,7 @@ class Scheduler:
         """Free ``seq``'s blocks and requeue it for recomputation."""
         self.running.remove(seq)
         self._release(seq)
+        seq.disk_tried = False  # its blocks may be on disk by the time it comes back
         seq.num_preemptions += 1
         self.num_preemptions += 1
         if plan is not None:

@@ -99,6 +99,11 @@ class Sequence:
     boundary_blocks: int = 0
     #: Snapshot slot the planned chunk writes at its end (0: none).
     plan_snapshot: int = 0
+    # Disk tier (engine/disk.py): the read of this prompt's blocks (a Future), the
+    # number of resident blocks it continues, and whether the tier was asked.
+    disk_read: Any = None
+    disk_start: int = 0
+    disk_tried: bool = False
     #: Snapshots written, waiting for their blocks to join the prefix cache:
     #: (number of blocks, slot).
     pending_snapshots: list[tuple[int, int]] = field(default_factory=list)

@@ -49,6 +49,17 @@ class EngineStats:
     state_cache_bytes: int = 0
     state_snapshot_hits: int = 0
     state_snapshot_hit_tokens: int = 0
+    #: The disk tier (``kv_disk_dir``; all 0 without one): blocks and bytes held,
+    #: blocks read back for prefix hits and written on eviction, and the bytes and
+    #: seconds of its reads and writes (throughput = bytes / seconds).
+    disk_blocks: int = 0
+    disk_bytes: int = 0
+    disk_hit_blocks: int = 0
+    disk_written_blocks: int = 0
+    disk_read_bytes: int = 0
+    disk_read_seconds: float = 0.0
+    disk_write_bytes: int = 0
+    disk_write_seconds: float = 0.0
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)

@@ -1,0 +1,402 @@
+"""The disk tier under the block pool: evicted KV blocks kept in files (issue 19).
+
+A full block that leaves the pool while its hash is still cached is copied
+out (a lazy gather queued before the step that reuses it), and a writer
+thread appends it to the tier in batches. A lookup that runs out of resident
+blocks goes on here: the request waits in its own admission state while a
+reader thread loads the blocks, then they are written into fresh pool blocks
+and registered, and the request is admitted as a prefix hit::
+
+    pool (resident)  | b0 b1 b2 |                      lookup stops at b3
+    disk tier        |          | b3 b4 b5 | ...       read b3..b5 in the background,
+    pool, then       | b0 b1 b2   b3 b4 b5 |           register, admit: 6 blocks hit
+
+Files (one per batch of blocks, ``<dir>/<model key>/<n>.kvb``)::
+
+    MAGIC | u32 header length | header (JSON) | payload: block 0 | block 1 | ...
+    header: format version, model key (identity, block size, dtype, layer
+            shapes), block bytes, per block its chain hash and CRC-32
+
+A block's payload is, per KV layer, its K rows then its V rows
+(``[block_size, kv_heads, dim]`` in the pool dtype). Writes go to a temp file
+that is renamed into place, so a crash leaves only whole files (and stray
+temp files, removed at start-up). A file whose header does not parse or
+belongs to another model, format or shape is removed when found; a block
+whose CRC does not match is a miss. So no damaged or foreign file can give a
+wrong answer. Hashes survive a restart because the engine seeds the chain
+from the model identity when the tier is on (the salt already holds it).
+
+The budget is kept over the whole directory (every model's files): the
+least recently used files go first.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import itertools
+import json
+import logging
+import os
+import queue
+import struct
+import threading
+import time
+import zlib
+from collections import OrderedDict
+from collections.abc import Sequence as Seq
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+import numpy as np
+
+from mlx_cairn.models.base import LayerSpec
+
+log = logging.getLogger("mlx_cairn.engine")
+
+MAGIC = b"CAIRNKV\x00"
+FORMAT = 1
+SUFFIX = ".kvb"
+#: Blocks per file (a batch of evictions is split into files of at most this many).
+FILE_BLOCKS = 64
+
+
+def stable_seed(identity: str) -> int:
+    """A chain-hash seed that is the same in every process for one model."""
+    return int.from_bytes(hashlib.sha256(identity.encode()).digest()[:8], "little")
+
+
+def _np_dtype(dtype: mx.Dtype) -> np.dtype[Any]:
+    return {mx.float32: np.dtype(np.float32), mx.float16: np.dtype(np.float16)}.get(
+        dtype,
+        np.dtype(np.uint16),  # bfloat16 travels as its raw 16 bits
+    )
+
+
+@dataclass
+class DiskStats:
+    blocks: int = 0
+    bytes: int = 0
+    hit_blocks: int = 0
+    written_blocks: int = 0
+    read_bytes: int = 0
+    read_seconds: float = 0.0
+    write_bytes: int = 0
+    write_seconds: float = 0.0
+    dropped_files: int = 0
+    corrupt_blocks: int = 0
+
+
+@dataclass
+class _Staged:
+    hashes: list[int]
+    arrays: list[mx.array]  # per KV layer: K [n, bs, h, d], V [n, bs, h, d]
+
+
+@dataclass
+class Loaded:
+    """Blocks read back for one request: ``data[i]`` per KV layer (K, V) arrays."""
+
+    hashes: list[int]
+    data: list[list[np.ndarray]] = field(default_factory=list)
+
+
+class DiskTier:
+    """The disk tier of one engine (see the module docstring).
+
+    Args:
+        root: ``--kv-disk-dir``; this model's files go in a subdirectory.
+        budget_bytes: the most the directory may hold.
+        identity: the model identity (weights fingerprint, dtype).
+        block_size, dtype, layers: the pool's shape.
+    """
+
+    def __init__(
+        self,
+        root: Path,
+        *,
+        budget_bytes: int,
+        identity: str,
+        block_size: int,
+        dtype: mx.Dtype,
+        layers: Seq[LayerSpec],
+    ) -> None:
+        self.root = Path(root)
+        self.budget = int(budget_bytes)
+        self.block_size = block_size
+        self.dtype = dtype
+        self._np = _np_dtype(dtype)
+        self.kv_layers = [i for i, s in enumerate(layers) if s.has_kv]
+        self._shapes = [
+            (
+                (block_size, layers[i].kv_heads, layers[i].k_dim),
+                (block_size, layers[i].kv_heads, layers[i].v_dim),
+            )
+            for i in self.kv_layers
+        ]
+        per = self._np.itemsize
+        self.block_bytes = sum((int(np.prod(k)) + int(np.prod(v))) * per for k, v in self._shapes)
+        key = {
+            "identity": identity,
+            "block_size": block_size,
+            "dtype": str(dtype),
+            "layers": [[list(k), list(v)] for k, v in self._shapes],
+        }
+        self.key = key
+        digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
+        self.dir = self.root / digest
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.stats = DiskStats()
+        self._lock = threading.Lock()
+        #: hash -> (file name, index in it, CRC-32)
+        self._index: dict[int, tuple[str, int, int]] = {}
+        #: file name -> (hashes, bytes), least recently used first
+        self._files: OrderedDict[str, tuple[list[int], int]] = OrderedDict()
+        self._names = itertools.count(int(time.time() * 1000) % 10**12)
+        self._scan()
+        self._staged: list[_Staged] = []
+        self._writes: queue.Queue[tuple[list[int], bytes] | threading.Event | None] = queue.Queue()
+        self._writer = threading.Thread(target=self._write_loop, name="cairn-kv-disk", daemon=True)
+        self._writer.start()
+        self._reader = ThreadPoolExecutor(1, thread_name_prefix="cairn-kv-read")
+
+    # ------------------------------------------------------------ start-up
+
+    def _scan(self) -> None:
+        """Index this model's complete files; remove temp files and foreign or broken ones."""
+        entries = []
+        for p in self.dir.iterdir():
+            if p.suffix != SUFFIX:
+                with contextlib.suppress(OSError):
+                    p.unlink()  # an interrupted write
+                continue
+            header = self._header(p)
+            if header is None:
+                self.stats.dropped_files += 1
+                with contextlib.suppress(OSError):
+                    p.unlink()
+                continue
+            entries.append((p.stat().st_mtime, p.name, header))
+        for _, name, header in sorted(entries):
+            hashes = [int(h) for h in header["hashes"]]
+            size = len(hashes) * self.block_bytes
+            self._files[name] = (hashes, size)
+            for i, (h, crc) in enumerate(zip(hashes, header["crc"], strict=True)):
+                self._index[h] = (name, i, int(crc))
+            self.stats.bytes += size
+        self.stats.blocks = len(self._index)
+
+    def _header(self, path: Path) -> dict[str, Any] | None:
+        """The header of a file of this model and format, or None."""
+        try:
+            with open(path, "rb") as f:
+                if f.read(len(MAGIC)) != MAGIC:
+                    return None
+                (n,) = struct.unpack("<I", f.read(4))
+                header = json.loads(f.read(n))
+                if header.get("format") != FORMAT or header.get("key") != self.key:
+                    return None
+                count = len(header["hashes"])
+                if len(header["crc"]) != count or header["block_bytes"] != self.block_bytes:
+                    return None
+                if path.stat().st_size != len(MAGIC) + 4 + n + count * self.block_bytes:
+                    return None  # truncated
+                header["offset"] = len(MAGIC) + 4 + n
+                return header  # type: ignore[no-any-return]
+        except (OSError, ValueError, KeyError, TypeError, struct.error):
+            return None
+
+    # ------------------------------------------------------------ engine thread
+
+    def capture(self, victims: list[tuple[int, int]], pools: Any) -> None:
+        """Blocks ``(block id, hash)`` about to be reused: copy them out (lazily, before the
+        step that overwrites them) unless the tier has them already."""
+        with self._lock:
+            victims = [(b, h) for b, h in victims if h not in self._index]
+        if not victims:
+            return
+        ids = mx.array([b for b, _ in victims], dtype=mx.int32)
+        arrays: list[mx.array] = []
+        for layer in self.kv_layers:
+            arrays.append(pools.k[layer][ids])
+            arrays.append(pools.v[layer][ids])
+        mx.async_eval(arrays)
+        self._staged.append(_Staged([h for _, h in victims], arrays))
+
+    def flush(self) -> None:
+        """Hand the copied blocks to the writer thread (after the step that computed them)."""
+        staged, self._staged = self._staged, []
+        for st in staged:
+            host = [
+                np.asarray(a.view(mx.uint16) if a.dtype == mx.bfloat16 else a) for a in st.arrays
+            ]
+            for start in range(0, len(st.hashes), FILE_BLOCKS):
+                end = min(start + FILE_BLOCKS, len(st.hashes))
+                payload = b"".join(
+                    np.ascontiguousarray(h[i]).tobytes() for i in range(start, end) for h in host
+                )
+                self._writes.put((st.hashes[start:end], payload))
+
+    def run_length(self, hashes: Any, start: int, limit: int) -> int:
+        """How many of ``hashes[start:limit]`` the tier holds, in a row."""
+        n = 0
+        with self._lock:
+            for i in range(start, limit):
+                if int(hashes[i]) not in self._index:
+                    break
+                n += 1
+        return n
+
+    def read(self, hashes: list[int]) -> Future[Loaded]:
+        """Load ``hashes``' blocks on the reader thread (a block that fails its check
+        ends the run there)."""
+        return self._reader.submit(self._read, hashes)
+
+    # ------------------------------------------------------------ threads
+
+    def _read(self, hashes: list[int]) -> Loaded:
+        t0 = time.perf_counter()
+        out = Loaded([])
+        nbytes = 0
+        handles: dict[str, Any] = {}
+        try:
+            for h in hashes:
+                with self._lock:
+                    where = self._index.get(h)
+                    if where is not None and where[0] in self._files:
+                        self._files.move_to_end(where[0])
+                if where is None:
+                    break
+                name, i, crc = where
+                f = handles.get(name)
+                if f is None:
+                    try:
+                        f = handles[name] = open(self.dir / name, "rb")  # noqa: SIM115
+                        os.utime(self.dir / name)  # recently used (the budget's LRU)
+                    except OSError:
+                        self._forget(name)
+                        break
+                    header = self._header(self.dir / name)
+                    if header is None:
+                        self._forget(name, remove=True)
+                        break
+                    handles[name + "#offset"] = header["offset"]
+                f.seek(handles[name + "#offset"] + i * self.block_bytes)
+                raw = f.read(self.block_bytes)
+                if len(raw) != self.block_bytes or zlib.crc32(raw) != crc:
+                    self.stats.corrupt_blocks += 1
+                    self._forget(name, remove=True)
+                    break
+                nbytes += len(raw)
+                out.hashes.append(h)
+                out.data.append(self._unpack(raw))
+        finally:
+            for k, f in handles.items():
+                if not k.endswith("#offset"):
+                    f.close()
+        self.stats.read_bytes += nbytes
+        self.stats.read_seconds += time.perf_counter() - t0
+        self.stats.hit_blocks += len(out.hashes)
+        return out
+
+    def _unpack(self, raw: bytes) -> list[np.ndarray]:
+        flat = np.frombuffer(raw, dtype=self._np)
+        out = []
+        at = 0
+        for k, v in self._shapes:
+            for shape in (k, v):
+                n = int(np.prod(shape))
+                out.append(flat[at : at + n].reshape(shape))
+                at += n
+        return out
+
+    def _write_loop(self) -> None:
+        while True:
+            item = self._writes.get()
+            if item is None:
+                return
+            if isinstance(item, threading.Event):  # drain(): everything before it is written
+                item.set()
+                continue
+            try:
+                self._write(*item)
+            except OSError as e:  # a full or read-only disk: the blocks are just not kept
+                log.warning("kv disk tier: write failed: %s", e)
+
+    def _write(self, hashes: list[int], payload: bytes) -> None:
+        t0 = time.perf_counter()
+        bb = self.block_bytes
+        crcs = [zlib.crc32(payload[i * bb : (i + 1) * bb]) for i in range(len(hashes))]
+        header = json.dumps(
+            {
+                "format": FORMAT,
+                "key": self.key,
+                "block_bytes": bb,
+                "hashes": [str(h) for h in hashes],
+                "crc": crcs,
+            }
+        ).encode()
+        name = f"{next(self._names)}{SUFFIX}"
+        tmp = self.dir / (name + ".tmp")
+        with open(tmp, "wb") as f:
+            f.write(MAGIC + struct.pack("<I", len(header)) + header)
+            f.write(payload)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, self.dir / name)
+        with self._lock:
+            self._files[name] = (hashes, len(payload))
+            for i, (h, crc) in enumerate(zip(hashes, crcs, strict=True)):
+                self._index[h] = (name, i, crc)
+            self.stats.bytes += len(payload)
+            self.stats.blocks = len(self._index)
+            self.stats.written_blocks += len(hashes)
+        self.stats.write_bytes += len(payload)
+        self.stats.write_seconds += time.perf_counter() - t0
+        self._keep_budget()
+
+    def _forget(self, name: str, *, remove: bool = False) -> None:
+        with self._lock:
+            hashes, size = self._files.pop(name, ([], 0))
+            for h in hashes:
+                if self._index.get(h, ("",))[0] == name:
+                    del self._index[h]
+            self.stats.bytes -= size
+            self.stats.blocks = len(self._index)
+        if remove:
+            self.stats.dropped_files += 1
+            with contextlib.suppress(OSError):
+                (self.dir / name).unlink()
+
+    def _keep_budget(self) -> None:
+        """Remove least recently used files (by mtime: reads touch their file) until the
+        whole directory fits the budget."""
+        files = []
+        total = 0
+        for p in self.root.glob(f"*/*{SUFFIX}"):
+            with contextlib.suppress(OSError):
+                st = p.stat()
+                files.append((st.st_mtime, p, st.st_size))
+                total += st.st_size
+        for _, p, size in sorted(files, key=lambda x: x[0]):
+            if total <= self.budget:
+                break
+            if p.parent == self.dir:
+                self._forget(p.name)
+            with contextlib.suppress(OSError):
+                p.unlink()
+            total -= size
+
+    def close(self) -> None:
+        self._writes.put(None)
+        self._writer.join(timeout=30)
+        self._reader.shutdown(wait=True)
+
+    def drain(self, timeout: float = 30.0) -> bool:
+        """Wait until every queued write is on disk (tests, shutdown)."""
+        done = threading.Event()
+        self._writes.put(done)
+        return done.wait(timeout)

@@ -1,0 +1,160 @@
+"""The disk tier under the block pool (engine/disk.py): restarts, outgrowing memory, faults.
+
+A tiny random llama keeps its cached blocks in a tier on disk. An engine
+closed and a new one opened on the same directory (a restart) hits the same
+prefix from disk; a pool far smaller than the working set hits on the second
+round from disk; corrupted, truncated, foreign and half-written files are
+clean misses. Every output equals the engine without a disk tier.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from mlx_cairn.engine import Engine
+from mlx_cairn.engine.disk import SUFFIX
+from mlx_cairn.engine.testing import closing_at_rest
+from mlx_cairn.models.testing import tiny_model
+from mlx_cairn.types import ChatRequest, Done, Message, SamplingParams
+
+TIMEOUT = 60.0
+BS = 4
+MAX_TOKENS = 6
+
+
+@pytest.fixture(scope="module")
+def lm():
+    return tiny_model("llama", seed=2)
+
+
+def ids(rng: np.random.Generator, n: int) -> list[int]:
+    return [int(x) for x in rng.integers(3, 300, size=n)]
+
+
+def generate(engine: Engine, prompt: list[int]) -> tuple[list[int], Done]:
+    base = engine.prepare(
+        ChatRequest(
+            messages=[Message("user", "x")],
+            max_tokens=MAX_TOKENS,
+            sampling=SamplingParams(temperature=0.0),
+        )
+    )
+    s = engine.submit(dataclasses.replace(base, prompt_ids=prompt))
+    done = list(s.iter_sync(timeout=TIMEOUT))[-1]
+    assert isinstance(done, Done), done
+    return s.output_ids, done
+
+
+def cold(lm, prompt: list[int]) -> list[int]:
+    with closing_at_rest(Engine(lm, num_blocks=128, block_size=BS)) as e:
+        return generate(e, prompt)[0]
+
+
+def disk_engine(lm, tmp: Path, num_blocks: int = 96, gb: float = 1.0) -> Engine:
+    return Engine(lm, num_blocks=num_blocks, block_size=BS, kv_disk_dir=tmp, kv_disk_gb=gb)
+
+
+def files(tmp: Path) -> list[Path]:
+    return sorted(tmp.glob(f"*/*{SUFFIX}"))
+
+
+def test_a_restart_hits_the_prefix_from_disk(lm, tmp_path):
+    rng = np.random.default_rng(1)
+    system = ids(rng, 101)
+    with closing_at_rest(disk_engine(lm, tmp_path)) as e:
+        generate(e, system + ids(rng, 7))
+    assert files(tmp_path), "the cached blocks were not kept at close"
+    again = system + ids(rng, 9)
+    with closing_at_rest(disk_engine(lm, tmp_path)) as e:  # a new process would do the same
+        out, done = generate(e, again)
+        st = e.stats()
+    assert done.usage.cached_tokens >= 0.95 * len(system), done.usage
+    assert st.disk_hit_blocks >= len(system) // BS and st.disk_read_bytes > 0
+    assert out == cold(lm, again)
+
+
+def test_a_working_set_larger_than_the_pool_hits_from_disk(lm, tmp_path):
+    """50 distinct prefixes cycled twice through a pool that holds a few of them."""
+    rng = np.random.default_rng(2)
+    prefixes = [ids(rng, 40) for _ in range(50)]
+    with closing_at_rest(disk_engine(lm, tmp_path, num_blocks=48)) as e:
+        for p in prefixes:
+            generate(e, p + ids(rng, 3))
+        e._disk.drain()
+        hit = total = 0
+        outs = []
+        for p in prefixes:
+            prompt = p + ids(rng, 3)
+            out, done = generate(e, prompt)
+            hit += done.usage.cached_tokens
+            total += len(p)
+            outs.append((prompt, out))
+        assert e.stats().disk_written_blocks > 0
+    assert hit >= 0.9 * total, (hit, total)
+    for prompt, out in outs[:5]:
+        assert out == cold(lm, prompt)
+
+
+def corrupt(path: Path, how: str) -> None:
+    data = bytearray(path.read_bytes())
+    if how == "byte":
+        data[-5] ^= 0xFF  # inside the last block's payload
+        path.write_bytes(bytes(data))
+    elif how == "truncate":
+        path.write_bytes(bytes(data[: len(data) - 100]))
+    elif how == "header":
+        path.write_bytes(b"garbage" + bytes(data[7:]))
+
+
+@pytest.mark.parametrize("how", ["byte", "truncate", "header"])
+def test_a_damaged_file_is_a_clean_miss(lm, tmp_path, how):
+    rng = np.random.default_rng(3)
+    system = ids(rng, 61)
+    with closing_at_rest(disk_engine(lm, tmp_path)) as e:
+        generate(e, system + ids(rng, 5))
+    for f in files(tmp_path):
+        corrupt(f, how)
+    again = system + ids(rng, 6)
+    with closing_at_rest(disk_engine(lm, tmp_path)) as e:
+        out, done = generate(e, again)
+        st = e.stats()
+    assert out == cold(lm, again)
+    if how != "byte":  # a bad header or length is refused at start-up, and removed
+        assert done.usage.cached_tokens == 0 and st.disk_hit_blocks == 0
+    assert st.disk_read_bytes >= 0
+
+
+def test_files_of_another_model_and_half_writes_are_ignored(lm, tmp_path):
+    rng = np.random.default_rng(4)
+    system = ids(rng, 61)
+    other = tiny_model("llama", seed=9)  # another identity: another key
+    with closing_at_rest(disk_engine(other, tmp_path)) as e:
+        generate(e, system + ids(rng, 5))
+    theirs = files(tmp_path)
+    assert theirs
+    # A file of theirs moved into our directory, and a write killed halfway.
+    with closing_at_rest(disk_engine(lm, tmp_path)) as e:
+        ours = e._disk.dir
+    (ours / theirs[0].name).write_bytes(theirs[0].read_bytes())
+    (ours / ("123" + SUFFIX + ".tmp")).write_bytes(b"half a file")
+    again = system + ids(rng, 6)
+    with closing_at_rest(disk_engine(lm, tmp_path)) as e:
+        out, done = generate(e, again)
+    assert done.usage.cached_tokens == 0
+    assert out == cold(lm, again)
+    assert not list(ours.glob("*.tmp")) and not (ours / theirs[0].name).exists()
+
+
+def test_the_budget_holds(lm, tmp_path):
+    rng = np.random.default_rng(5)
+    budget = 0.0004  # GiB: a few files
+    with closing_at_rest(disk_engine(lm, tmp_path, num_blocks=32, gb=budget)) as e:
+        for _ in range(20):
+            generate(e, ids(rng, 40))
+        e._disk.drain()
+    total = sum(f.stat().st_size for f in files(tmp_path))
+    assert 0 < total <= budget * (1 << 30)
