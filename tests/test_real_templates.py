@@ -14,6 +14,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,10 +22,13 @@ from pathlib import Path
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
+from tokenizers import Tokenizer as HFTokenizer
+from tokenizers import models
 
 from _text_helpers import chunked, chunks_of
-from mlx_cairn.chat import ChatTemplate, detect_parser_family, detect_reasoning
+from mlx_cairn.chat import ChatTemplate, Tokenizer, detect_reasoning
 from mlx_cairn.chat.detect import ReasoningInfo, starts_in_reasoning
+from mlx_cairn.models.loaded import assemble
 from mlx_cairn.text import Segment, TextPipeline, coalesce, parse_output, tool_schemas
 from mlx_cairn.types import Message, Tool, ToolCall
 
@@ -157,12 +161,21 @@ def template(name: str) -> ChatTemplate:
     return ChatTemplate(source(name), bos_token="<s>", eos_token="</s>")
 
 
+@functools.cache
 def engine_family(name: str) -> str | None:
-    """The family the engine uses for this template (models/loaded.py's rule)."""
-    family = detect_parser_family(source(name))
-    if family is None and not template(name).handles_tools:
-        family = "hermes"
-    return family
+    """The family the engine uses for this template, as the model loader sets it."""
+    lm = assemble(
+        name=name,
+        model=None,  # type: ignore[arg-type]  (the loader never looks at it)
+        # A vocabulary without <think>, <tool_call> or [TOOL_CALLS]: the
+        # template alone decides.
+        tokenizer=Tokenizer(HFTokenizer(models.BPE())),
+        template_source=source(name),
+        eos_token_ids=set(),
+        context_length=4096,
+        identity=name,
+    )
+    return lm.parser_family
 
 
 def head(name: str) -> list[Message]:
