@@ -4,6 +4,7 @@ and validate, forced tool choices always call the right tool with valid input.""
 from __future__ import annotations
 
 import json
+import re
 
 import jsonschema
 import pytest
@@ -302,7 +303,7 @@ def test_max_tokens_inside_the_grammar_ends_as_max_tokens(engine):
     schema = {"type": "object", "properties": {"story": {"type": "string"}}, "required": ["story"]}
     (events,) = run_all(engine, [answer("Tell a very long story.", schema, 0.0, max_tokens=6)])
     assert isinstance(events[-1], Done) and events[-1].stop_reason == "max_tokens"
-    assert text_of(events).startswith('{"story": "')
+    assert re.match(r'\{\s*"story":\s*"', text_of(events)), text_of(events)
 
 
 def test_a_schema_that_cannot_compile_is_refused_before_any_work(engine):

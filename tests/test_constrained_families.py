@@ -105,12 +105,14 @@ def test_every_parser_family_has_a_grammar():
 class Family:
     """A tokenizer with ``family``'s markers, its grammar vocabulary, and the parser's view."""
 
-    def __init__(self, family: str) -> None:
+    def __init__(self, config: str) -> None:
+        family, _, variant = config.partition("/")
+        specials = SPECIALS[family] + (SPECIAL_TAGS[family] if variant else [])
         tok = tiny_tokenizer()
-        tok.hf.add_tokens([AddedToken(t, special=False, normalized=False) for t in ADDED])
-        tok.hf.add_special_tokens(
-            [AddedToken(t, special=True, normalized=False) for t in SPECIALS[family]]
+        tok.hf.add_tokens(
+            [AddedToken(t, special=False, normalized=False) for t in ADDED if t not in specials]
         )
+        tok.hf.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in specials])
         self.family, self.tok = family, tok
         self.eos = tok.hf.token_to_id("<|im_end|>")
         self.n = tok.hf.get_vocab_size()
@@ -201,7 +203,16 @@ class Family:
         return w
 
 
-@pytest.fixture(scope="module", params=FAMILIES)
+#: Families also tried with their tags as special tokens (GLM-4.5's tokenizer has
+#: ``<arg_key>``.. as special tokens; the grammar then matches them as tokens).
+SPECIAL_TAGS = {
+    "glm45": ["<tool_call>", "</tool_call>", "<arg_key>", "</arg_key>", "<arg_value>",
+              "</arg_value>"],
+    "harmony": ["<|call|>"],
+}  # fmt: skip
+
+
+@pytest.fixture(scope="module", params=[*FAMILIES, *(f"{f}/special-tags" for f in SPECIAL_TAGS)])
 def fam(request) -> Family:
     return Family(request.param)
 
@@ -270,6 +281,8 @@ def test_strict_tools_under_auto_wait_for_the_opening_tag(fam):
     assert fam.accepts(g, "Let me check. " + VALID[fam.family])
     for bad in INVALID[fam.family]:
         assert not fam.accepts(g, "Let me check. " + bad), bad
+    if fam.family == "gemma4":  # other special tokens stay free: Gemma 4's thought channel
+        assert fam.accepts(g, "<|channel>thought\nplan<channel|>" + VALID["gemma4"])
 
 
 def test_what_a_syntax_cannot_write_is_refused_before_any_work():

@@ -33,9 +33,17 @@ from mlx_cairn import tool_grammars
 from mlx_cairn._core import CompiledGrammar, GrammarMatcher, GrammarVocabulary
 from mlx_cairn.types import OutputFormat, Tool
 
-#: How JSON is written under a grammar: one canonical spacing, as a model's
-#: own JSON usually is. Flexible whitespace lets a small model pad forever.
-JSON_STYLE = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+#: How JSON is written under a grammar: between two tokens of JSON, nothing, one
+#: space, or one line break and an indent of up to 16 spaces. A model's own JSON
+#: is often laid out on lines (SmolLM2's first choice after ``{`` is a line break:
+#: forcing ``{"`` instead puts it off its path, and more answers loop); the bound
+#: keeps a small model from padding forever, as unbounded whitespace would let it.
+JSON_STYLE = {
+    "whitespace_flexible": False,
+    "item_separator": ",",
+    "key_separator": ":",
+    "whitespace_pattern": r"[ ]|\n[ ]{0,16}",
+}
 
 #: Families whose tool-call syntax a grammar is written for (every parser family).
 GRAMMAR_FAMILIES = tuple(tool_grammars.SYNTAXES)

@@ -85,6 +85,7 @@ def resolve(root: Schema, schema: Schema) -> Schema:
 
 
 def check(schema: Schema, where: str) -> None:
+    """ValueError unless ``schema`` is a schema whose keywords the translations here enforce."""
     if isinstance(schema, bool):
         return
     if not isinstance(schema, dict):
@@ -415,7 +416,11 @@ class RawValues:
         if lo or hi is not None:
             ands.append(f"/(?s:.){{{lo},{'' if hi is None else int(hi)}}}/")
         key = ("raw", self, exact, orjson.dumps(schema, option=orjson.OPT_SORT_KEYS))
-        return r.until(" & ".join([base, *ands]), self.term, key=key)
+        empty = lo == 0 and (
+            ("" in strs) if "enum" in schema or "const" in schema
+            else re.search(schema.get("pattern", ""), "") is not None
+        )  # fmt: skip
+        return r.until(" & ".join([base, *ands]), self.term, empty=empty, key=key)
 
     def _safe(self, v: str) -> bool:
         """``v`` reads back as this string where the parser tries JSON first."""
