@@ -153,6 +153,19 @@ class _EngineCollector:
         outcomes = counter(
             "cairn_engine_requests", "Engine requests by outcome.", ["model", "outcome"]
         )
+        disk_blocks = gauge("cairn_kv_disk_blocks", "KV blocks held by the disk tier.", ["model"])
+        disk_bytes = gauge("cairn_kv_disk_bytes", "Bytes of the disk tier's files.", ["model"])
+        disk_hits = counter(
+            "cairn_kv_disk_hit_blocks", "Blocks read back from disk for prefix hits.", ["model"]
+        )
+        disk_io = counter(
+            "cairn_kv_disk_io_bytes", "Bytes the disk tier read and wrote.", ["model", "op"]
+        )
+        disk_s = counter(
+            "cairn_kv_disk_io_seconds",
+            "Seconds the disk tier spent reading and writing (bytes / seconds = throughput).",
+            ["model", "op"],
+        )
         snaps = gauge(
             "cairn_state_snapshots", "Recurrent-state prefix snapshots stored.", ["model"]
         )
@@ -197,11 +210,27 @@ class _EngineCollector:
             outcomes.add_metric([name, "completed"], float(st.requests_completed))
             outcomes.add_metric([name, "failed"], float(st.requests_failed))
             outcomes.add_metric([name, "cancelled"], float(st.requests_cancelled))
+            disk_blocks.add_metric([name], float(st.disk_blocks))
+            disk_bytes.add_metric([name], float(st.disk_bytes))
+            disk_hits.add_metric([name], float(st.disk_hit_blocks))
+            disk_io.add_metric([name, "read"], float(st.disk_read_bytes))
+            disk_io.add_metric([name, "write"], float(st.disk_write_bytes))
+            disk_s.add_metric([name, "read"], float(st.disk_read_seconds))
+            disk_s.add_metric([name, "write"], float(st.disk_write_seconds))
             snaps.add_metric([name], float(st.state_snapshots))
             snap_bytes.add_metric([name], float(st.state_snapshot_bytes))
             snap_hits.add_metric([name], float(st.state_snapshot_hit_tokens))
         yield from (loaded, queue, running, blocks, total, hits, generated, preempt, outcomes)
-        yield from (snaps, snap_bytes, snap_hits)
+        yield from (
+            snaps,
+            snap_bytes,
+            snap_hits,
+            disk_blocks,
+            disk_bytes,
+            disk_hits,
+            disk_io,
+            disk_s,
+        )
         yield from (memory, last_used, load_s, loads, unloads)
 
 

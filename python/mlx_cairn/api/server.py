@@ -192,6 +192,7 @@ def build(
         ("--max-tokens-limit", args.max_tokens_limit, 1, True),
         ("--max-body-mb", args.max_body_mb, 0, False),
         ("--kv-cache-gb", args.kv_cache_gb, 0, False),
+        ("--kv-disk-gb", getattr(args, "kv_disk_gb", None), 0, False),
         ("--shutdown-grace", args.shutdown_grace, 0, True),
         ("--header-timeout", args.header_timeout, 0, False),
         ("--body-timeout", args.body_timeout, 0, False),
@@ -211,7 +212,14 @@ def build(
         if args.context_length is not None:
             override_context(loaded, args.context_length)
         try:
-            engine = Engine(loaded, kv_cache_gb=args.kv_cache_gb, max_queue=args.max_queue)
+            disk = getattr(args, "kv_disk_dir", None)
+            engine = Engine(
+                loaded,
+                kv_cache_gb=args.kv_cache_gb,
+                max_queue=args.max_queue,
+                kv_disk_dir=disk,
+                kv_disk_gb=getattr(args, "kv_disk_gb", None),
+            )
         except ValueError as e:
             # The pool is sized from the model's shapes, so this is known only now;
             # engine/paged.py words every sizing refusal "KV pool ...".
@@ -445,6 +453,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=None,
         metavar="X",
         help="KV cache size in GiB (default: sized from free memory)",
+    )
+    p.add_argument(
+        "--kv-disk-dir",
+        default=None,
+        metavar="DIR",
+        help="keep evicted KV blocks in DIR (a disk tier that survives restarts)",
+    )
+    p.add_argument(
+        "--kv-disk-gb",
+        type=positive,
+        default=None,
+        metavar="X",
+        help="the most the disk tier's directory may hold, in GiB (default 16)",
     )
     p.add_argument(
         "--context-length",

@@ -96,7 +96,8 @@ class Engine:
         snapshot_interval: snapshot points every this many blocks of a prompt.
         kv_disk_dir: a directory for the disk tier under the pool (engine/disk.py):
             evicted blocks are kept there, across restarts, up to ``kv_disk_gb``
-            GiB for the whole directory. Not used for models with recurrent layers.
+            GiB for the whole directory (default :data:`DEFAULT_DISK_GB`). Not used
+            for models with recurrent layers.
     """
 
     def __init__(
@@ -114,7 +115,7 @@ class Engine:
         state_snapshots: int | None = None,
         snapshot_interval: int = DEFAULT_INTERVAL_BLOCKS,
         kv_disk_dir: str | os.PathLike[str] | None = None,
-        kv_disk_gb: float = DEFAULT_DISK_GB,
+        kv_disk_gb: float | None = None,
     ) -> None:
         for name, val in (
             ("block_size", block_size),
@@ -187,6 +188,8 @@ class Engine:
                     loaded_model.name,
                 )
             else:
+                if kv_disk_gb is None:
+                    kv_disk_gb = DEFAULT_DISK_GB
                 if not (isinstance(kv_disk_gb, (int, float)) and kv_disk_gb > 0):
                     raise ValueError(f"kv_disk_gb must be positive, got {kv_disk_gb!r}")
                 # Hashes must mean the same after a restart: seed the chain from the model.
