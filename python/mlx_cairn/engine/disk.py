@@ -98,10 +98,11 @@ class _Staged:
 
 @dataclass
 class Loaded:
-    """Blocks read back for one request: ``data[i]`` per KV layer (K, V) arrays."""
+    """Blocks read back for one request: per KV layer its K then its V rows,
+    ``[len(hashes), block_size, kv_heads, dim]`` each."""
 
     hashes: list[int]
-    data: list[list[np.ndarray]] = field(default_factory=list)
+    arrays: list[np.ndarray] = field(default_factory=list)
 
 
 class DiskTier:
@@ -139,6 +140,14 @@ class DiskTier:
         ]
         per = self._np.itemsize
         self.block_bytes = sum((int(np.prod(k)) + int(np.prod(v))) * per for k, v in self._shapes)
+        #: Where each K / V part lies in a block, in elements.
+        self._slices: list[tuple[int, int, tuple[int, ...]]] = []
+        at = 0
+        for k, v in self._shapes:
+            for shape in (k, v):
+                n = int(np.prod(shape))
+                self._slices.append((at, at + n, shape))
+                at += n
         key = {
             "identity": identity,
             "block_size": block_size,
@@ -258,60 +267,68 @@ class DiskTier:
     # ------------------------------------------------------------ threads
 
     def _read(self, hashes: list[int]) -> Loaded:
+        """Read ``hashes``' blocks: runs of consecutive blocks of one file in one read."""
         t0 = time.perf_counter()
         out = Loaded([])
-        nbytes = 0
-        handles: dict[str, Any] = {}
-        try:
+        with self._lock:
+            where = []
             for h in hashes:
-                with self._lock:
-                    where = self._index.get(h)
-                    if where is not None and where[0] in self._files:
-                        self._files.move_to_end(where[0])
-                if where is None:
+                w = self._index.get(h)
+                if w is None or w[0] not in self._files:
                     break
-                name, i, crc = where
-                f = handles.get(name)
-                if f is None:
-                    try:
-                        f = handles[name] = open(self.dir / name, "rb")  # noqa: SIM115
-                        os.utime(self.dir / name)  # recently used (the budget's LRU)
-                    except OSError:
-                        self._forget(name)
-                        break
-                    header = self._header(self.dir / name)
-                    if header is None:
-                        self._forget(name, remove=True)
-                        break
-                    handles[name + "#offset"] = header["offset"]
-                f.seek(handles[name + "#offset"] + i * self.block_bytes)
-                raw = f.read(self.block_bytes)
-                if len(raw) != self.block_bytes or zlib.crc32(raw) != crc:
+                where.append(w)
+        runs: list[list[tuple[str, int, int]]] = []
+        for w in where:
+            if runs and runs[-1][-1][0] == w[0] and runs[-1][-1][1] + 1 == w[1]:
+                runs[-1].append(w)
+            else:
+                runs.append([w])
+        bb = self.block_bytes
+        buf = np.empty(len(where) * bb, dtype=np.uint8)  # every run lands in one buffer
+        view = memoryview(buf)
+        done = 0  # blocks read and checked
+        for run in runs:
+            name = run[0][0]
+            path = self.dir / name
+            header = self._header(path)
+            if header is None:
+                self._forget(name, remove=True)
+                break
+            dest = view[done * bb : (done + len(run)) * bb]
+            try:
+                with open(path, "rb", buffering=0) as f:
+                    f.seek(header["offset"] + run[0][1] * bb)
+                    got = f.readinto(dest) or 0
+                os.utime(path)  # recently used (the budget's LRU)
+            except OSError:
+                self._forget(name)
+                break
+            ok = 0
+            for j, (_, _, crc) in enumerate(run):
+                if (j + 1) * bb > got or zlib.crc32(dest[j * bb : (j + 1) * bb]) != crc:
                     self.stats.corrupt_blocks += 1
                     self._forget(name, remove=True)
                     break
-                nbytes += len(raw)
-                out.hashes.append(h)
-                out.data.append(self._unpack(raw))
-        finally:
-            for k, f in handles.items():
-                if not k.endswith("#offset"):
-                    f.close()
+                ok += 1
+            done += ok
+            with self._lock:
+                if name in self._files:
+                    self._files.move_to_end(name)
+            if ok < len(run):
+                break
+        out.hashes = hashes[:done]
+        if done:
+            out.arrays = self._unpack(buf[: done * bb], done)
+        nbytes = done * bb
         self.stats.read_bytes += nbytes
         self.stats.read_seconds += time.perf_counter() - t0
         self.stats.hit_blocks += len(out.hashes)
         return out
 
-    def _unpack(self, raw: bytes) -> list[np.ndarray]:
-        flat = np.frombuffer(raw, dtype=self._np)
-        out = []
-        at = 0
-        for k, v in self._shapes:
-            for shape in (k, v):
-                n = int(np.prod(shape))
-                out.append(flat[at : at + n].reshape(shape))
-                at += n
-        return out
+    def _unpack(self, raw: np.ndarray, n: int) -> list[np.ndarray]:
+        """``n`` blocks' bytes -> per KV layer K and V views ``[n, *shape]``."""
+        flat = raw.view(self._np).reshape(n, -1)
+        return [flat[:, a:b].reshape(n, *shape) for a, b, shape in self._slices]
 
     def _write_loop(self) -> None:
         while True:

@@ -34,7 +34,6 @@ from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
-import numpy as np
 
 from mlx_cairn import constrain
 from mlx_cairn.constrain import GrammarMask
@@ -641,8 +640,7 @@ class Engine:
         for j, layer in enumerate(self._disk.kv_layers):  # type: ignore[union-attr]
             for pool, part in ((p.k[layer], 2 * j), (p.v[layer], 2 * j + 1)):
                 assert pool is not None
-                host = np.stack([d[part] for d in loaded.data])
-                arr = mx.array(host)
+                arr = mx.array(loaded.arrays[part])
                 pool[where] = arr.view(mx.bfloat16) if pool.dtype == mx.bfloat16 else arr
         self._cache.insert(hashes, hit + list(ids))
         self._pool.free(hit + list(ids))
