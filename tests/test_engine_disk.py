@@ -158,3 +158,40 @@ def test_the_budget_holds(lm, tmp_path):
         e._disk.drain()
     total = sum(f.stat().st_size for f in files(tmp_path))
     assert 0 < total <= budget * (1 << 30)
+
+
+def test_a_hybrid_restart_restores_its_state_snapshot_from_disk(tmp_path):
+    """Hybrids keep their state snapshots in the same tier: after a restart the
+    prefix hits (KV blocks and the state after them) and equals mlx-lm cold."""
+    from mlx_cairn.models.testing import mlx_lm_greedy, tiny_zoo_model
+
+    hybrid = tiny_zoo_model("qwen3_5", seed=1)
+    rng = np.random.default_rng(6)
+    p = ids(rng, 61)
+    with closing_at_rest(disk_engine(hybrid, tmp_path)) as e:
+        generate(e, p)
+    assert list(tmp_path.glob("*/*.kvs")), "no state snapshot was kept"
+    again = p + ids(rng, 6)
+    with closing_at_rest(disk_engine(hybrid, tmp_path)) as e:
+        out, done = generate(e, again)
+        st = e.stats()
+    assert done.usage.cached_tokens >= 0.9 * len(p), done.usage
+    assert st.state_snapshot_hits >= 1 and st.disk_hit_blocks > 0
+    assert out == mlx_lm_greedy(hybrid.model.inner, again, MAX_TOKENS, set(hybrid.eos_token_ids))
+
+
+def test_a_hybrid_pool_smaller_than_its_working_set_hits_from_disk(tmp_path):
+    from mlx_cairn.models.testing import tiny_zoo_model
+
+    hybrid = tiny_zoo_model("qwen3_5", seed=1)
+    rng = np.random.default_rng(7)
+    prefixes = [ids(rng, 41) for _ in range(12)]
+    engine = Engine(hybrid, num_blocks=48, block_size=BS, kv_disk_dir=tmp_path, state_snapshots=4)
+    with closing_at_rest(engine) as e:
+        for q in prefixes:
+            generate(e, q)
+        e._disk.drain()
+        hit = 0
+        for q in prefixes:
+            hit += generate(e, q + ids(rng, 3))[1].usage.cached_tokens
+    assert hit >= 0.9 * sum(len(q) for q in prefixes) * (40 / 41), hit

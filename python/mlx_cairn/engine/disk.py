@@ -60,6 +60,8 @@ log = logging.getLogger("mlx_cairn.engine")
 MAGIC = b"CAIRNKV\x00"
 FORMAT = 1
 SUFFIX = ".kvb"
+#: A hybrid model's state snapshot: one per file.
+STATE_SUFFIX = ".kvs"
 #: Blocks per file (a batch of evictions is split into files of at most this many).
 FILE_BLOCKS = 64
 
@@ -103,6 +105,16 @@ class Loaded:
 
     hashes: list[int]
     arrays: list[np.ndarray] = field(default_factory=list)
+    #: A hybrid's state snapshot read with them (per state entry), and its hash.
+    state: list[np.ndarray] | None = None
+    state_hash: int | None = None
+
+
+@dataclass
+class _StateWrite:
+    hash: int
+    num_blocks: int
+    payload: bytes
 
 
 class DiskTier:
@@ -148,11 +160,19 @@ class DiskTier:
                 n = int(np.prod(shape))
                 self._slices.append((at, at + n, shape))
                 at += n
+        #: Recurrent state entries (hybrids): (layer, entry, shape, dtype) in slot order.
+        self.state_entries = [
+            (i, e, entry.shape, entry.dtype)
+            for i, spec in enumerate(layers)
+            for e, entry in enumerate(spec.state)
+        ]
+        self.state_bytes = sum(en.nbytes for spec in layers for en in spec.state)
         key = {
             "identity": identity,
             "block_size": block_size,
             "dtype": str(dtype),
             "layers": [[list(k), list(v)] for k, v in self._shapes],
+            "state": [[i, e, list(sh), str(dt)] for i, e, sh, dt in self.state_entries],
         }
         self.key = key
         digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
@@ -164,9 +184,12 @@ class DiskTier:
         self._index: dict[int, tuple[str, int, int]] = {}
         #: file name -> (hashes, bytes), least recently used first
         self._files: OrderedDict[str, tuple[list[int], int]] = OrderedDict()
+        #: state snapshots (hybrids): hash -> (file name, number of blocks, CRC-32)
+        self._snaps: dict[int, tuple[str, int, int]] = {}
         self._names = itertools.count(int(time.time() * 1000) % 10**12)
         self._scan()
         self._staged: list[_Staged] = []
+        self._staged_states: list[tuple[int, int, list[mx.array]]] = []
         self._writes: queue.Queue[tuple[list[int], bytes] | threading.Event | None] = queue.Queue()
         self._writer = threading.Thread(target=self._write_loop, name="cairn-kv-disk", daemon=True)
         self._writer.start()
@@ -178,6 +201,15 @@ class DiskTier:
         """Index this model's complete files; remove temp files and foreign or broken ones."""
         entries = []
         for p in self.dir.iterdir():
+            if p.suffix == STATE_SUFFIX:
+                snap = self._snap_header(p)
+                if snap is None:
+                    self.stats.dropped_files += 1
+                    with contextlib.suppress(OSError):
+                        p.unlink()
+                else:
+                    self._snaps[int(snap["hash"])] = (p.name, int(snap["blocks"]), int(snap["crc"]))
+                continue
             if p.suffix != SUFFIX:
                 with contextlib.suppress(OSError):
                     p.unlink()  # an interrupted write
@@ -218,6 +250,23 @@ class DiskTier:
         except (OSError, ValueError, KeyError, TypeError, struct.error):
             return None
 
+    def _snap_header(self, path: Path) -> dict[str, Any] | None:
+        """The header of a state snapshot file of this model and format, or None."""
+        try:
+            with open(path, "rb") as f:
+                if f.read(len(MAGIC)) != MAGIC:
+                    return None
+                (n,) = struct.unpack("<I", f.read(4))
+                header = json.loads(f.read(n))
+            if header.get("format") != FORMAT or header.get("key") != self.key:
+                return None
+            if path.stat().st_size != len(MAGIC) + 4 + n + self.state_bytes:
+                return None
+            header["offset"] = len(MAGIC) + 4 + n
+            return header  # type: ignore[no-any-return]
+        except (OSError, ValueError, KeyError, TypeError, struct.error):
+            return None
+
     # ------------------------------------------------------------ engine thread
 
     def capture(self, victims: list[tuple[int, int]], pools: Any) -> None:
@@ -235,8 +284,38 @@ class DiskTier:
         mx.async_eval(arrays)
         self._staged.append(_Staged([h for _, h in victims], arrays))
 
+    def has_snapshot(self, block_hash: int) -> bool:
+        with self._lock:
+            return block_hash in self._snaps
+
+    def capture_state(self, block_hash: int, num_blocks: int, slot: int, pools: Any) -> None:
+        """A state snapshot leaving memory (its slot about to be reused): copy it out."""
+        if self.has_snapshot(block_hash) or not self.state_entries:
+            return
+        arrays = [pools.state[i][e][slot] for i, e, _, _ in self.state_entries]
+        mx.async_eval(arrays)
+        self._staged_states.append((block_hash, num_blocks, arrays))
+
+    def best_snapshot(self, hashes: Any, start: int, end: int) -> int:
+        """The largest ``k`` in ``(start, end]`` whose prefix ``hashes[:k]`` has a
+        snapshot on disk (0: none)."""
+        with self._lock:
+            for k in range(end, start, -1):
+                if int(hashes[k - 1]) in self._snaps:
+                    return k
+        return 0
+
     def flush(self) -> None:
         """Hand the copied blocks to the writer thread (after the step that computed them)."""
+        states, self._staged_states = self._staged_states, []
+        for h, nb, arrays in states:
+            payload = b"".join(
+                np.ascontiguousarray(
+                    np.asarray(a.view(mx.uint16) if a.dtype == mx.bfloat16 else a)
+                ).tobytes()
+                for a in arrays
+            )
+            self._writes.put(_StateWrite(h, nb, payload))
         staged, self._staged = self._staged, []
         for st in staged:
             host = [
@@ -259,10 +338,20 @@ class DiskTier:
                 n += 1
         return n
 
-    def read(self, hashes: list[int]) -> Future[Loaded]:
+    def read(self, hashes: list[int], snapshot: int | None = None) -> Future[Loaded]:
         """Load ``hashes``' blocks on the reader thread (a block that fails its check
-        ends the run there)."""
-        return self._reader.submit(self._read, hashes)
+        ends the run there), and the state snapshot stored under hash ``snapshot``."""
+
+        def both() -> Loaded:
+            out = self._read(hashes)
+            if snapshot is not None:
+                t0 = time.perf_counter()
+                out.state = self._read_state(snapshot)
+                out.state_hash = snapshot
+                self.stats.read_seconds += time.perf_counter() - t0
+            return out
+
+        return self._reader.submit(both)
 
     # ------------------------------------------------------------ threads
 
@@ -339,7 +428,10 @@ class DiskTier:
                 item.set()
                 continue
             try:
-                self._write(*item)
+                if isinstance(item, _StateWrite):
+                    self._write_state(item)
+                else:
+                    self._write(*item)
             except OSError as e:  # a full or read-only disk: the blocks are just not kept
                 log.warning("kv disk tier: write failed: %s", e)
 
@@ -375,6 +467,66 @@ class DiskTier:
         self.stats.write_seconds += time.perf_counter() - t0
         self._keep_budget()
 
+    def _write_state(self, item: _StateWrite) -> None:
+        t0 = time.perf_counter()
+        crc = zlib.crc32(item.payload)
+        header = json.dumps(
+            {
+                "format": FORMAT,
+                "key": self.key,
+                "hash": str(item.hash),
+                "blocks": item.num_blocks,
+                "crc": crc,
+            }
+        ).encode()
+        name = f"{next(self._names)}{STATE_SUFFIX}"
+        tmp = self.dir / (name + ".tmp")
+        with open(tmp, "wb") as f:
+            f.write(MAGIC + struct.pack("<I", len(header)) + header)
+            f.write(item.payload)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, self.dir / name)
+        with self._lock:
+            self._snaps[item.hash] = (name, item.num_blocks, crc)
+        self.stats.write_bytes += len(item.payload)
+        self.stats.write_seconds += time.perf_counter() - t0
+        self._keep_budget()
+
+    def _read_state(self, block_hash: int) -> list[np.ndarray] | None:
+        with self._lock:
+            where = self._snaps.get(block_hash)
+        if where is None:
+            return None
+        name, _, crc = where
+        path = self.dir / name
+        header = self._snap_header(path)
+        raw = None
+        if header is not None:
+            try:
+                with open(path, "rb") as f:
+                    f.seek(header["offset"])
+                    raw = f.read(self.state_bytes)
+                os.utime(path)
+            except OSError:
+                raw = None
+        if raw is None or len(raw) != self.state_bytes or zlib.crc32(raw) != crc:
+            self.stats.corrupt_blocks += 1
+            with self._lock:
+                self._snaps.pop(block_hash, None)
+            with contextlib.suppress(OSError):
+                path.unlink()
+            return None
+        self.stats.read_bytes += len(raw)
+        out = []
+        at = 0
+        for _, _, shape, dtype in self.state_entries:
+            npd = _np_dtype(dtype)
+            n = int(np.prod(shape)) * npd.itemsize
+            out.append(np.frombuffer(raw[at : at + n], dtype=npd).reshape(shape))
+            at += n
+        return out
+
     def _forget(self, name: str, *, remove: bool = False) -> None:
         with self._lock:
             hashes, size = self._files.pop(name, ([], 0))
@@ -393,7 +545,7 @@ class DiskTier:
         whole directory fits the budget."""
         files = []
         total = 0
-        for p in self.root.glob(f"*/*{SUFFIX}"):
+        for p in [*self.root.glob(f"*/*{SUFFIX}"), *self.root.glob(f"*/*{STATE_SUFFIX}")]:
             with contextlib.suppress(OSError):
                 st = p.stat()
                 files.append((st.st_mtime, p, st.st_size))
@@ -402,7 +554,13 @@ class DiskTier:
             if total <= self.budget:
                 break
             if p.parent == self.dir:
-                self._forget(p.name)
+                if p.suffix == STATE_SUFFIX:
+                    with self._lock:
+                        for h, w in list(self._snaps.items()):
+                            if w[0] == p.name:
+                                del self._snaps[h]
+                else:
+                    self._forget(p.name)
             with contextlib.suppress(OSError):
                 p.unlink()
             total -= size

@@ -181,26 +181,20 @@ class Engine:
         self._disk: DiskTier | None = None
         self._seed: int | None = None
         if kv_disk_dir is not None:
-            if states is not None:
-                log.warning(
-                    "the disk tier does not keep recurrent state yet: not used for %s",
-                    loaded_model.name,
-                )
-            else:
-                if kv_disk_gb is None:
-                    kv_disk_gb = DEFAULT_DISK_GB
-                if not (isinstance(kv_disk_gb, (int, float)) and kv_disk_gb > 0):
-                    raise ValueError(f"kv_disk_gb must be positive, got {kv_disk_gb!r}")
-                # Hashes must mean the same after a restart: seed the chain from the model.
-                self._seed = stable_seed(str(loaded_model.identity))
-                self._disk = DiskTier(
-                    Path(kv_disk_dir),
-                    budget_bytes=int(kv_disk_gb * (1 << 30)),
-                    identity=str(loaded_model.identity),
-                    block_size=block_size,
-                    dtype=kv_dtype,
-                    layers=layer_specs,
-                )
+            if kv_disk_gb is None:
+                kv_disk_gb = DEFAULT_DISK_GB
+            if not (isinstance(kv_disk_gb, (int, float)) and kv_disk_gb > 0):
+                raise ValueError(f"kv_disk_gb must be positive, got {kv_disk_gb!r}")
+            # Hashes must mean the same after a restart: seed the chain from the model.
+            self._seed = stable_seed(str(loaded_model.identity))
+            self._disk = DiskTier(
+                Path(kv_disk_dir),
+                budget_bytes=int(kv_disk_gb * (1 << 30)),
+                identity=str(loaded_model.identity),
+                block_size=block_size,
+                dtype=kv_dtype,
+                layers=layer_specs,
+            )
         self._cache = PrefixCache(self._pool, seed=self._seed)
         self._scheduler = Scheduler(
             self._pool,
@@ -215,6 +209,10 @@ class Engine:
             self._scheduler.disk = disk
             self._scheduler.on_evict = lambda victims: disk.capture(victims, self._pools)
             self._scheduler.on_loaded = self._disk_loaded
+            if states is not None:
+                states.on_drop = lambda h, snap: disk.capture_state(
+                    h, snap.num_blocks, snap.slot, self._pools
+                )
         _materialize(model)
         self._runner = ModelRunner(model, self._pools)
         self._eos = frozenset(int(t) for t in loaded_model.eos_token_ids)
@@ -606,6 +604,9 @@ class Engine:
             ]
             if cached:
                 disk.capture(cached, self._pools)
+            if (states := self._scheduler.states) is not None:
+                for h, snap in states.snapshots():
+                    disk.capture_state(h, snap.num_blocks, snap.slot, self._pools)
             disk.flush()
             if not disk.drain(timeout=60.0):
                 log.warning("disk tier: writes still pending at close")
@@ -615,35 +616,50 @@ class Engine:
             disk.close()
 
     def _disk_loaded(self, seq: Sequence) -> None:
-        """A waiting request's blocks came back from disk: put them in fresh pool blocks and
-        register them, so its admission finds them (engine thread; a failed or stale
-        read only loses the hit)."""
-        fut = seq.disk_read
+        """A waiting request's blocks (and a hybrid's state snapshot) came back from disk:
+        put them in fresh pool blocks (and a state slot) and register them, so its
+        admission finds them (engine thread; a failed or stale read only loses the hit)."""
         try:
-            loaded = fut.result()
+            loaded = seq.disk_read.result()
         except Exception as e:
             log.warning("disk tier: a read failed: %s", e)
             return
-        if not loaded.hashes:
-            return
-        sched, bs = self._scheduler, self.block_size
+        disk = self._disk
+        assert disk is not None
+        bs, p = self.block_size, self._pools
         start, k = seq.disk_start, len(loaded.hashes)
-        hashes = self._cache.hash_blocks(seq.tokens[: (start + k) * bs], salt=seq.prepared.salt)
-        hit = list(self._cache.lookup(hashes)) if start else []
-        ids = sched._allocate(k) if len(hit) == start else None
-        if ids is None:
-            if hit:
-                self._pool.free(hit)
+        if k:
+            hashes = self._cache.hash_blocks(seq.tokens[: (start + k) * bs], salt=seq.prepared.salt)
+            hit = list(self._cache.lookup(hashes)) if start else []
+            ids = self._scheduler._allocate(k) if len(hit) == start else None
+            if ids is None:
+                if hit:
+                    self._pool.free(hit)
+                return
+            where = mx.array(ids, dtype=mx.int32)
+            for j, layer in enumerate(disk.kv_layers):
+                for pool, part in ((p.k[layer], 2 * j), (p.v[layer], 2 * j + 1)):
+                    assert pool is not None
+                    arr = mx.array(loaded.arrays[part])
+                    pool[where] = arr.view(mx.bfloat16) if pool.dtype == mx.bfloat16 else arr
+            self._cache.insert(hashes, hit + list(ids))
+            self._pool.free(hit + list(ids))
+        states = self._scheduler.states
+        nb = seq.disk_snap_blocks
+        if states is None or loaded.state is None or not nb:
             return
-        where = mx.array(ids, dtype=mx.int32)
-        p = self._pools
-        for j, layer in enumerate(self._disk.kv_layers):  # type: ignore[union-attr]
-            for pool, part in ((p.k[layer], 2 * j), (p.v[layer], 2 * j + 1)):
-                assert pool is not None
-                arr = mx.array(loaded.arrays[part])
-                pool[where] = arr.view(mx.bfloat16) if pool.dtype == mx.bfloat16 else arr
-        self._cache.insert(hashes, hit + list(ids))
-        self._pool.free(hit + list(ids))
+        hashes = self._cache.hash_blocks(seq.tokens[: nb * bs], salt=seq.prepared.salt)
+        blocks = list(self._cache.lookup(seq.tokens[: nb * bs + 1], salt=seq.prepared.salt))
+        slot = states.allocate() if len(blocks) >= nb else None
+        if slot is not None:
+            for (layer, e, _, _), host in zip(disk.state_entries, loaded.state, strict=True):
+                arrs = p.state[layer]
+                assert arrs is not None
+                arr = mx.array(host)
+                arrs[e][slot] = arr.view(mx.bfloat16) if arrs[e].dtype == mx.bfloat16 else arr
+            states.add(int(hashes[nb - 1]), blocks[nb - 1], nb, slot)
+        if blocks:
+            self._pool.free(blocks)
 
     def _snapshot_stats(self) -> None:
         c = self._cache.stats()

@@ -299,14 +299,17 @@ class Scheduler:
         hit = list(self.cache.lookup(hashes))
         if self.disk is not None and not seq.disk_tried:
             seq.disk_tried = True
-            limit = min(len(hashes), (len(seq.tokens) - 1) // self.block_size)
-            k = self.disk.run_length(hashes, len(hit), limit)
-            if k > 0:  # the cached prefix goes on on disk: read it, admit afterwards
+            k, snap = self._disk_plan(
+                hashes, hit, min(len(hashes), (len(seq.tokens) - 1) // self.block_size)
+            )
+            if k > 0 or snap:  # the cached prefix goes on on disk: read it, admit afterwards
                 if hit:
                     self.pool.free(hit)
                 seq.disk_start = len(hit)
+                seq.disk_snap_blocks = snap
                 seq.disk_read = self.disk.read(
-                    [int(hashes[i]) for i in range(len(hit), len(hit) + k)]
+                    [int(hashes[i]) for i in range(len(hit), len(hit) + k)],
+                    int(hashes[snap - 1]) if snap else None,
                 )
                 return -1
         new: list[int] | None = []
@@ -340,6 +343,21 @@ class Scheduler:
             self.prefix_hit_tokens += seq.cached_tokens
         bisect.insort(self.running, seq, key=lambda s: s.arrival)
         return n
+
+    def _disk_plan(self, hashes: Any, hit: list[int], limit: int) -> tuple[int, int]:
+        """What to read from the disk tier for a prefix whose resident hit is ``hit``:
+        (blocks past the hit, and the length of a state snapshot to load with them,
+        0 for none). A recurrent model reads only blocks its longest snapshot (in
+        memory or on disk) covers: past it, its KV is of no use without the state."""
+        assert self.disk is not None
+        k = self.disk.run_length(hashes, len(hit), limit)
+        if self.states is None:
+            return k, 0
+        found = self.states.find(hashes, hit, self.cache) if hit else None
+        resident = found.num_blocks if found is not None else 0
+        on_disk = self.disk.best_snapshot(hashes, resident, len(hit) + k)
+        reach = max(resident, on_disk)
+        return max(0, min(k, reach - len(hit))), (on_disk if on_disk > resident else 0)
 
     def _allocate(self, n: int) -> list[int] | None:
         """``pool.allocate(n)``; with a disk tier, the cached blocks it is about to evict

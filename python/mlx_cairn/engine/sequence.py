@@ -103,6 +103,8 @@ class Sequence:
     # number of resident blocks it continues, and whether the tier was asked.
     disk_read: Any = None
     disk_start: int = 0
+    #: Blocks of the state snapshot read with them (hybrids; 0: none).
+    disk_snap_blocks: int = 0
     disk_tried: bool = False
     #: Snapshots written, waiting for their blocks to join the prefix cache:
     #: (number of blocks, slot).

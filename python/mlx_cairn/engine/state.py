@@ -39,6 +39,7 @@ these points so the state there exists.
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -77,6 +78,9 @@ class StateSlots:
         self._snapshots: OrderedDict[int, Snapshot] = OrderedDict()
         self.hits = 0
         self.hit_tokens = 0
+        #: Called with (hash, snapshot) for each snapshot trimmed, before its slot is
+        #: freed (the disk tier keeps it: engine/disk.py); None: they are just lost.
+        self.on_drop: Callable[[int, Snapshot], None] | None = None
 
     # ------------------------------------------------------------- slots
 
@@ -135,11 +139,20 @@ class StateSlots:
         for h, snap in list(self._snapshots.items()):
             if cache.block_hash(snap.block_id) != h:
                 del self._snapshots[h]
-                self.release(snap.slot)
+                self._dropped(h, snap)
         keep = max(0, self.capacity - headroom)
         while len(self._snapshots) > keep:
-            _, snap = self._snapshots.popitem(last=False)
-            self.release(snap.slot)
+            h, snap = self._snapshots.popitem(last=False)
+            self._dropped(h, snap)
+
+    def _dropped(self, block_hash: int, snap: Snapshot) -> None:
+        if self.on_drop is not None:
+            self.on_drop(block_hash, snap)
+        self.release(snap.slot)
+
+    def snapshots(self) -> list[tuple[int, Snapshot]]:
+        """Every stored snapshot, with its hash."""
+        return list(self._snapshots.items())
 
     def drop_all(self) -> None:
         """Forget every snapshot (after a step whose writes may not have happened)."""
