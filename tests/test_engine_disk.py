@@ -195,3 +195,44 @@ def test_a_hybrid_pool_smaller_than_its_working_set_hits_from_disk(tmp_path):
         for q in prefixes:
             hit += generate(e, q + ids(rng, 3))[1].usage.cached_tokens
     assert hit >= 0.9 * sum(len(q) for q in prefixes) * (40 / 41), hit
+
+
+def test_a_request_reading_from_disk_holds_no_one_up(lm, tmp_path, monkeypatch):
+    """While one request's blocks are being read (slowly here), another request is
+    admitted, decodes and finishes first; then the first one hits from disk."""
+    import threading
+
+    from mlx_cairn.engine.disk import DiskTier
+
+    rng = np.random.default_rng(8)
+    system = ids(rng, 81)
+    with closing_at_rest(disk_engine(lm, tmp_path)) as e:
+        generate(e, system + ids(rng, 5))
+    release = threading.Event()
+    real = DiskTier._read
+
+    def slow(self, hashes):
+        release.wait(30)
+        return real(self, hashes)
+
+    monkeypatch.setattr(DiskTier, "_read", slow)
+    with closing_at_rest(disk_engine(lm, tmp_path)) as e:
+        base = e.prepare(
+            ChatRequest(
+                messages=[Message("user", "x")],
+                max_tokens=MAX_TOKENS,
+                sampling=SamplingParams(temperature=0.0),
+            )
+        )
+        waiting = e.submit(dataclasses.replace(base, prompt_ids=system + ids(rng, 4)))
+        other = e.submit(dataclasses.replace(base, prompt_ids=ids(rng, 30)))
+        done_other = list(other.iter_sync(timeout=TIMEOUT))[-1]
+        assert isinstance(done_other, Done)
+        # (The engine thread only reads it: the read is still held back.)
+        assert [s.request_id for s in e._scheduler.waiting if s.disk_read is not None] == [
+            waiting.request_id
+        ]
+        release.set()
+        done_waiting = list(waiting.iter_sync(timeout=TIMEOUT))[-1]
+    assert isinstance(done_waiting, Done)
+    assert done_waiting.usage.cached_tokens >= 0.95 * len(system)
