@@ -24,6 +24,12 @@ Models with recurrent layers (``states``, engine/state.py) also get two state
 slots per admitted sequence; a prefix hit only counts up to the longest block
 whose state snapshot exists, and prefill chunks are cut at the snapshot points
 so the state there is written to a snapshot slot.
+
+With a disk tier (engine/disk.py), an allocation hands the cached blocks it
+is about to evict to ``on_evict`` first, and a prefix whose hit goes on past
+the resident blocks is read from disk while its request waits aside (the
+others are admitted meanwhile); ``on_loaded`` puts the blocks in the pool and
+the request is admitted as a hit.
 """
 
 from __future__ import annotations
