@@ -65,3 +65,28 @@ def test_a_restart_keeps_the_system_prompt_cached(tmp_path: Path) -> None:
     with cairn_serve(plain, tmp_path / "c.log") as (url, proc):
         cold = ask(url, "Which tests are slow?")
     assert again.content == cold.content
+
+
+def test_a_kill_during_use_leaves_a_tier_that_starts_and_answers(tmp_path: Path) -> None:
+    """kill -9 at any moment: the next start uses only complete files."""
+    folder = save_folder(tiny_model("llama", seed=2), tmp_path / "m")
+    disk = tmp_path / "disk"
+    args = ["--model", str(folder), "--kv-disk-dir", str(disk), "--log-level", "warning"]
+    args += ["--kv-cache-gb", "0.0006"]  # ~1,200 tokens: blocks leave it (and go to disk)
+    with cairn_serve(args, tmp_path / "a.log") as (url, proc):
+        for i in range(8):
+            ask(url, f"Question {i}: " + "tell me more. " * 20)
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(30)
+    model_dir = next(p for p in disk.iterdir() if p.is_dir())
+    (model_dir / "999.kvb.tmp").write_bytes(b"a write cut short")
+    kept = sorted(model_dir.glob("*.kvb"))
+    assert kept, "no block left the pool before the kill"
+    kept[-1].write_bytes(kept[-1].read_bytes()[:-10])  # and a file cut short
+    with cairn_serve(args, tmp_path / "b.log") as (url, proc):
+        again = ask(url, "Question 0: " + "tell me more. " * 20)
+    plain = ["--model", str(folder), "--log-level", "warning"]
+    with cairn_serve(plain, tmp_path / "c.log") as (url, proc):
+        cold = ask(url, "Question 0: " + "tell me more. " * 20)
+    assert again.content == cold.content
+    assert not list(model_dir.glob("*.tmp"))
