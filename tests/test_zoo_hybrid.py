@@ -272,3 +272,43 @@ def test_another_question_after_the_same_history_hits(hybrid):
         assert done.usage.cached_tokens >= 0.9 * at
     want = mlx_lm_greedy(hybrid.model.inner, prep.prompt_ids, MAX_TOKENS, set(hybrid.eos_token_ids))
     assert s.output_ids == want
+
+
+def test_a_forced_tool_call_under_a_grammar(hybrid):
+    """Grammar rows sample after their last token is on the host (their look-ahead
+    forward pass still runs): with state slots too, a forced call parses and
+    validates, streamed from a random-weight hybrid."""
+    import json
+
+    from mlx_cairn.types import Tool, ToolCall
+
+    tool = Tool(
+        "set_unit",
+        "Set the unit",
+        {
+            "type": "object",
+            "properties": {"unit": {"enum": ["celsius", "fahrenheit"]}},
+            "required": ["unit"],
+            "additionalProperties": False,
+        },
+    )
+    engine = Engine(hybrid, num_blocks=800, block_size=4, step_token_budget=64)
+    with closing_at_rest(engine):
+        reqs = [
+            ChatRequest(
+                [Message("user", f"Pick a unit, {i}.")],
+                max_tokens=400,  # (a random model spends many on the layout's whitespace)
+                sampling=SamplingParams(temperature=t, seed=i),
+                tools=[tool],
+                tool_choice="required",
+                parallel_tool_calls=False,
+            )
+            for i, t in enumerate((0.0, 0.8, 1.0))
+        ]
+        streams = [engine.submit(r) for r in reqs]
+        for s in streams:
+            events = list(s.iter_sync(timeout=TIMEOUT))
+            calls = [e for e in events if isinstance(e, ToolCall)]
+            assert isinstance(events[-1], Done) and events[-1].stop_reason == "tool_use", events
+            assert len(calls) == 1 and calls[0].name == "set_unit"
+            assert json.loads(calls[0].arguments)["unit"] in ("celsius", "fahrenheit")
