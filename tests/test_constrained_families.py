@@ -320,7 +320,12 @@ def test_the_embedded_model_calls_in_every_family(default_model):
     from mlx_cairn.engine import Engine
     from mlx_cairn.types import Done, SamplingParams, ToolCall
 
-    cases = [("What is 2 plus 3?", "add"), ("Weather in Paris?", "get_weather")]
+    cases = [
+        ("What is 2 plus 3?", "add"),
+        ("Weather in Paris?", "get_weather"),
+        # Counted and patterned raw text: within llguidance's lexer budget on 49k tokens.
+        ("File the book Dune, code 123.", "book"),
+    ]
     for family in FAMILIES:
         engine = Engine(dataclasses.replace(default_model, parser_family=family), max_batch=4)
         reqs = [
@@ -328,7 +333,7 @@ def test_the_embedded_model_calls_in_every_family(default_model):
                 [Message("user", prompt)],
                 max_tokens=160,
                 sampling=SamplingParams(temperature=0.0),
-                tools=TOOLS[:2],
+                tools=TOOLS[:3],
                 tool_choice={"name": name},
                 parallel_tool_calls=False,
             )

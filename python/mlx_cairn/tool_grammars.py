@@ -144,15 +144,24 @@ def _pairs(
     return listing(r, items, '""', free=free_g)
 
 
+#: Raw values hold none of their family's tags: a closing tag would end the value
+#: or its call early, and an opening one is what a model writes to start the next
+#: parameter (text that looks like structure is read as structure).
 #: Qwen3-Coder reads a value as JSON whenever it parses (rust/text toolcall.rs);
 #: each value sits on lines of its own, as the template writes it.
 QWEN3_VALUES = RawValues(
-    "\n</parameter>\n", ("</parameter>", "</function>", "</tool_call>"), json_first=True
+    "\n</parameter>\n",
+    ("</parameter>", "</function>", "</tool_call>", "<parameter=", "<function=", "<tool_call>"),
+    json_first=True,
 )
-GLM_VALUES = RawValues("</arg_value>", ("</arg_value>", "</tool_call>"))
+GLM_VALUES = RawValues(
+    "</arg_value>", ("</arg_value>", "</tool_call>", "<arg_key>", "<arg_value>", "<tool_call>")
+)
 #: MiniMax drops one newline at each end of a value (formats/bodies.rs).
 MINIMAX_VALUES = RawValues(
-    "</parameter>\n", ("</parameter>", "</invoke>", "</minimax:tool_call>"), trims=True
+    "</parameter>\n",
+    ("</parameter>", "</invoke>", "</minimax:tool_call>", "<parameter name=", "<invoke name="),
+    trims=True,
 )
 
 

@@ -134,6 +134,22 @@ def object_parts(
     return out, free
 
 
+def bounded_text(lo: int, hi: int | None, pattern: str | None, forbid: tuple[str, ...]) -> str:
+    """A regex term for text of ``lo`` to ``hi`` characters matching ``pattern``, holding
+    none of ``forbid`` (which all start with ``<``).
+
+    Free text excludes exactly ``forbid``. Counted or patterned text holds no ``<``
+    at all: a length counter times the automaton of several excluded words grows
+    past llguidance's lexer budget over a 49k vocabulary ("too many expressions
+    constructed"), while text without one character costs nothing extra.
+    """
+    if not lo and hi is None and pattern is None:
+        return f"/(?s:.*)/ & {without(*forbid)}"
+    assert all(f.startswith("<") for f in forbid), forbid
+    text = f"/[^<]{{{lo},{'' if hi is None else int(hi)}}}/"
+    return f"/{pattern_rx(pattern)}/ & {text}" if pattern is not None else text
+
+
 # ---- values written as literals of a language (Gemma 4, Python) -----------
 
 
@@ -235,11 +251,15 @@ class Literals:
         """A quoted string: ``quote`` text ``quote`` (lengths count escapes as one character)."""
         lo, hi = int(schema.get("minLength", 0)), schema.get("maxLength")
         pattern = schema.get("pattern")
-        # Text under a pattern is written without escapes (they would change what it says).
-        char = self.string_char if pattern is None else self.plain_char
-        content = f"/({char}){{{lo},{'' if hi is None else int(hi)}}}/ & {without(*MARKER_TEXT)}"
-        if pattern is not None:
-            content = f"/{pattern_rx(pattern)}/ & {content}"
+        if pattern is None and not lo and hi is None:
+            content = f"/({self.string_char})*/ & {without(*MARKER_TEXT)}"
+        else:
+            # Text under a pattern is written without escapes (they would change what
+            # it says); counted text holds no "<" (see bounded_text).
+            char = self.plain_char if pattern is not None else self.string_char
+            content = f"/({char}){{{lo},{'' if hi is None else int(hi)}}}/ & /[^<]*/"
+            if pattern is not None:
+                content = f"/{pattern_rx(pattern)}/ & {content}"
         empty = lo == 0 and (pattern is None or re.search(pattern, "") is not None)
         key = ("str", self, pattern, lo, hi)
         return f"{r.lit(self.quote)} {r.until(content, self.quote, empty=empty, key=key)}"
@@ -395,32 +415,34 @@ class RawValues:
 
         Not ``exact``: the parser tries JSON first (and GLM / MiniMax trim
         such a value), so the text must not parse as JSON nor end in space."""
-        ands = [without(*self.forbid, *MARKER_TEXT)]
+        lo, hi = int(schema.get("minLength", 0)), schema.get("maxLength")
+        key = ("raw", self, exact, orjson.dumps(schema, option=orjson.OPT_SORT_KEYS))
+        if "enum" in schema or "const" in schema:
+            vals = schema["enum"] if "enum" in schema else [schema["const"]]
+            strs = [v for v in vals if isinstance(v, str) and self._writable(v, exact)]
+            if not strs:
+                return None
+            content = "/(" + "|".join(rx(v) for v in strs) + ")/"
+            return r.until(content, self.term, empty="" in strs, key=key)
+        ands = []
         if not exact:
             ands += [r'~/[\s{\["\-0-9](?s:.*)/', r"~/(true|false|null)\s*/"]
             if not self.json_first:
                 ands.append(r"~/(?s:.*)\s/")
         if self.trims:
             ands += [r"~/\n(?s:.*)/", r"~/(?s:.*)\n/"]
-        if "enum" in schema or "const" in schema:
-            vals = schema["enum"] if "enum" in schema else [schema["const"]]
-            strs = [v for v in vals if isinstance(v, str) and (exact or self._safe(v))]
-            if not strs:
-                return None
-            base = "/(" + "|".join(rx(v) for v in strs) + ")/"
-        elif "pattern" in schema:
-            base = f"/{pattern_rx(schema['pattern'])}/"
-        else:
-            base = "/(?s:.*)/"
-        lo, hi = int(schema.get("minLength", 0)), schema.get("maxLength")
-        if lo or hi is not None:
-            ands.append(f"/(?s:.){{{lo},{'' if hi is None else int(hi)}}}/")
-        key = ("raw", self, exact, orjson.dumps(schema, option=orjson.OPT_SORT_KEYS))
-        empty = lo == 0 and (
-            ("" in strs) if "enum" in schema or "const" in schema
-            else re.search(schema.get("pattern", ""), "") is not None
-        )  # fmt: skip
-        return r.until(" & ".join([base, *ands]), self.term, empty=empty, key=key)
+        pattern = schema.get("pattern")
+        content = " & ".join([bounded_text(lo, hi, pattern, (*self.forbid, *MARKER_TEXT)), *ands])
+        empty = lo == 0 and (pattern is None or re.search(pattern, "") is not None)
+        return r.until(content, self.term, empty=empty, key=key)
+
+    def _writable(self, v: str, exact: bool) -> bool:
+        """``v`` can be written raw here and reads back as this string."""
+        if any(f in v for f in (*self.forbid, *MARKER_TEXT)):
+            return False
+        if self.trims and (v.startswith("\n") or v.endswith("\n")):
+            return False
+        return exact or self._safe(v)
 
     def _safe(self, v: str) -> bool:
         """``v`` reads back as this string where the parser tries JSON first."""
