@@ -266,6 +266,17 @@ def test_a_named_tool_is_the_one_called(fam):
             jsonschema.validate(json.loads(calls[0].arguments), BY_NAME[name].parameters)
 
 
+def test_a_structured_answer_or_a_call(fam):
+    """Structured output with tools offered: an answer matching the schema, or a call."""
+    schema = constrain.styled({"type": "object", "properties": {"a": {"type": "integer"}},
+                               "required": ["a"], "additionalProperties": False})  # fmt: skip
+    tools = constrain.tool_grammar(fam.family, TOOLS, parallel=True, specials=fam.specials)
+    g = fam.vocab.compile_lark(constrain.either(tools, schema))
+    assert fam.accepts(g, '{"a": 1}') and fam.accepts(g, '{\n  "a": 1\n}')
+    assert fam.accepts(g, VALID[fam.family])
+    assert not fam.accepts(g, '{"b": 1}')
+
+
 def test_strict_tools_under_auto_wait_for_the_opening_tag(fam):
     """Free text stays free; once the family's opening tag is written, the call is held to
     its strict schema (families without an opening tag get no lazy grammar)."""

@@ -16,8 +16,9 @@ are one of:
   string is raw text that cannot be mistaken for JSON (or a JSON string, which
   the JSON-first parser reads back exactly), and everything else is JSON.
 
-Raw text never holds the tags that would end its value or call early, nor the
-markers the parsers drop (:data:`MARKER_TEXT`). Schema keywords that no
+Raw text never holds its family's tags (a closing one would end the value or
+the call early), nor the markers the parsers drop (:data:`MARKER_TEXT`); text
+with a length bound or a pattern holds no ``<`` at all (:func:`bounded_text`). Schema keywords that no
 translation enforces (:data:`UNSUPPORTED`) are refused, so a forced call
 never silently drops part of its schema; ``format`` is an annotation in JSON
 Schema and is not enforced in raw text.
