@@ -145,9 +145,13 @@ SCHEMA = {
     "required": ["city"],
 }
 TOOLS = [Tool("get_weather", "Get the weather for a city.", SCHEMA)]
-SIMPLE = {"city": "Paris", "days": 3}
-STRINGS = {"city": "Paris", "unit": "celsius"}
-RICH = {"city": 'São Paulo, "SP"\nBrazil', "days": 3, "opts": {"unit": "C", "alerts": [1, 2]}}
+SIMPLE: dict[str, object] = {"city": "Paris", "days": 3}
+STRINGS: dict[str, object] = {"city": "Paris", "unit": "celsius"}
+RICH: dict[str, object] = {
+    "city": 'São Paulo, "SP"\nBrazil',
+    "days": 3,
+    "opts": {"unit": "C", "alerts": [1, 2]},
+}
 REASONING = "Need the weather."
 USER = "Weather in Paris?"
 CALL_ID = "toolu_01AbCdEfGhIjKlMn"
@@ -166,7 +170,7 @@ def engine_family(name: str) -> str | None:
     """The family the engine uses for this template, as the model loader sets it."""
     lm = assemble(
         name=name,
-        model=None,  # type: ignore[arg-type]  (the loader never looks at it)
+        model=None,  # type: ignore[arg-type]  # the loader never looks at it
         # A vocabulary without <think>, <tool_call> or [TOOL_CALLS]: the
         # template alone decides.
         tokenizer=Tokenizer(HFTokenizer(models.BPE())),

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from typing import Any
 
 from mlx_cairn._core import FAMILIES
 from mlx_cairn.types import Message
@@ -193,8 +194,8 @@ def _code_names(src: str) -> set[str]:
 def _generation_prompt(src: str, value: bool | None, kwarg: str) -> str:
     from mlx_cairn.chat.template import ChatTemplate
 
-    kwargs = {} if value is None else {kwarg: value}
-    return ChatTemplate(src).render([Message("user", "hi")], **kwargs)
+    kwargs: dict[str, Any] = {} if value is None else {kwarg: value}
+    return ChatTemplate(src).render([Message("user", "hi")], None, True, **kwargs)
 
 
 def starts_in_reasoning(prompt_text: str, info: ReasoningInfo) -> bool:
