@@ -28,6 +28,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from mlx_cairn._core import FAMILIES
+from mlx_cairn.chat.template import ChatTemplate
+from mlx_cairn.errors import InvalidRequest, ModelLoadError
 from mlx_cairn.types import Message
 
 #: Every output-parser family (the Rust parser's list).
@@ -169,9 +171,8 @@ def _reasoning_switch(src: str) -> tuple[str | None, bool]:
     for kwarg in (k for k in _REASONING_KWARGS if k in names):
         try:
             unset, on, off = (_generation_prompt(src, v, kwarg) for v in (None, True, False))
-        except Exception:
-            # A template that needs more than one user turn to render: fall
-            # back to reading the source.
+        except (InvalidRequest, ModelLoadError):
+            # A template that does not render a lone user turn: read the source.
             default_off = f"{kwarg} is defined and {kwarg} is true" in src
             return kwarg, not default_off
         if on != off:
@@ -192,8 +193,6 @@ def _code_names(src: str) -> set[str]:
 
 
 def _generation_prompt(src: str, value: bool | None, kwarg: str) -> str:
-    from mlx_cairn.chat.template import ChatTemplate
-
     kwargs: dict[str, Any] = {} if value is None else {kwarg: value}
     return ChatTemplate(src).render([Message("user", "hi")], None, True, **kwargs)
 
