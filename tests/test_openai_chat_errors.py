@@ -172,16 +172,34 @@ def test_queue_full_is_429_with_retry_after(env: dict[str, Any]) -> None:
 def test_stream_disconnect_cancels_and_frees(env: dict[str, Any]) -> None:
     eng, blocker = env["engines"]["scripted"], env["blockers"]["scripted"]
     before = eng.stats().requests_cancelled
-    blocker.arm(skip=3)  # a few tokens go out, then the engine is held mid-generation
-    body = ok_body(messages=user(say("x " * 200)), max_tokens=300, stream=True)
-    with httpx.stream(
-        "POST", env["url"] + "/v1/chat/completions", json=body, headers=BEARER, timeout=30
-    ) as r:
-        for chunk in r.iter_text():
-            if "chat.completion.chunk" in chunk:
-                break
-    assert blocker.entered.wait(10)
-    settle_cancel(eng, blocker, before)
+    # A token goes out, then the engine is held mid-generation: while it pushes the
+    # second one, so the first is out and the client's hang-up can only be seen
+    # while it is held (a hold counted in steps would race the hang-up).
+    pushes = 0
+
+    def hold(phase: str, seq: Any) -> None:
+        nonlocal pushes
+        if phase == "push":
+            pushes += 1
+            if pushes == 2:
+                blocker.entered.set()
+                blocker.release.wait(30)
+
+    blocker.entered.clear()
+    blocker.release.clear()
+    eng._row_fault_hook = hold
+    try:
+        body = ok_body(messages=user(say("x " * 200)), max_tokens=300, stream=True)
+        with httpx.stream(
+            "POST", env["url"] + "/v1/chat/completions", json=body, headers=BEARER, timeout=30
+        ) as r:
+            for chunk in r.iter_text():
+                if "chat.completion.chunk" in chunk:
+                    break
+        assert blocker.entered.wait(10)
+        settle_cancel(eng, blocker, before)
+    finally:
+        eng._row_fault_hook = None
 
 
 def test_non_stream_disconnect_cancels_too(env: dict[str, Any]) -> None:
