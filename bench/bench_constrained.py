@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import gc
 import json
 import statistics
 import sys
@@ -96,7 +97,7 @@ FORCED = [
 def forced_calls(lm, family: str) -> tuple[int, int]:
     """Forced calls (both temperatures) that come back as one call of the right tool
     with valid input, out of all, with ``family``'s grammar and parser."""
-    engine = Engine(dataclasses.replace(lm, parser_family=family), max_batch=16, num_blocks=2048)
+    engine = Engine(dataclasses.replace(lm, parser_family=family), max_batch=16, num_blocks=512)
     reqs = [
         ChatRequest(
             [Message("user", prompt)],
@@ -128,6 +129,9 @@ def forced_calls(lm, family: str) -> tuple[int, int]:
             continue
         ok += 1
     engine.close()
+    del engine
+    gc.collect()
+    mx.clear_cache()  # one engine per family: free each one's KV pool before the next
     return ok, len(reqs)
 
 
