@@ -85,8 +85,6 @@ class Engine:
         max_batch: sequences admitted (holding blocks) at once.
         step_token_budget: tokens per step: one per decoding sequence, the rest
             goes to chunked prefill.
-        prefill_token_budget: tokens of a step in which nothing decodes (no
-            stream waits on it): default 4 x ``step_token_budget``.
         kv_dtype: pool dtype; default fp32 on CPU, the model's dtype otherwise.
         state_snapshots: models with recurrent layers (hybrids): prefix snapshots
             of their state kept at most (engine/state.py). Default: what
@@ -109,7 +107,6 @@ class Engine:
         max_queue: int = 64,
         max_batch: int = 16,
         step_token_budget: int = 512,
-        prefill_token_budget: int | None = None,
         kv_dtype: mx.Dtype | None = None,
         state_snapshots: int | None = None,
         snapshot_interval: int = DEFAULT_INTERVAL_BLOCKS,
@@ -121,7 +118,6 @@ class Engine:
             ("max_queue", max_queue),
             ("max_batch", max_batch),
             ("step_token_budget", step_token_budget),
-            ("prefill_token_budget", prefill_token_budget or step_token_budget),
         ):
             if not isinstance(val, int) or val < 1:
                 raise ValueError(f"{name} must be a positive integer, got {val!r}")
@@ -201,7 +197,6 @@ class Engine:
             self._cache,
             max_batch=max_batch,
             step_token_budget=step_token_budget,
-            prefill_token_budget=prefill_token_budget or 4 * step_token_budget,
             states=states,
         )
         if self._disk is not None:

@@ -3,7 +3,7 @@
 Pure bookkeeping over the Rust ``BlockPool`` / ``PrefixCache``; no MLX here.
 Each call to :meth:`Scheduler.schedule` plans one engine step::
 
-    budget = step_token_budget (prefill_token_budget when nothing decodes)
+    budget = step_token_budget
     1. decode: every admitted sequence with exactly one pending token gets a row
        (oldest first); a row that needs a new block and finds none preempts the
        youngest admitted sequence (possibly itself);
@@ -163,7 +163,6 @@ class Scheduler:
         max_batch: int,
         step_token_budget: int,
         states: StateSlots | None = None,
-        prefill_token_budget: int | None = None,
     ) -> None:
         self.pool = pool
         self.cache = cache
@@ -177,8 +176,6 @@ class Scheduler:
         self.block_size: int = pool.block_size
         self.max_batch = max_batch
         self.step_token_budget = step_token_budget
-        #: Tokens of a step that decodes nothing (prefill only).
-        self.prefill_token_budget = prefill_token_budget or step_token_budget
         #: Not admitted, sorted by arrival (preempted ones keep their old place).
         self.waiting: list[Sequence] = []
         #: Admitted (holding blocks), sorted by arrival.
@@ -238,11 +235,7 @@ class Scheduler:
                     plan.decode.append(seq)
             except Exception as e:
                 self._drop(seq, e, plan)
-        # A step with no decode row stalls no stream: it may prefill more, so
-        # one forward call reads the weights for more prompt tokens.
-        budget = (
-            self.step_token_budget - len(plan.decode) if plan.decode else self.prefill_token_budget
-        )
+        budget = self.step_token_budget - len(plan.decode)
         for seq in list(self.running):
             if budget <= 0:
                 break
