@@ -72,10 +72,11 @@ def stable_seed(identity: str) -> int:
 
 
 def _np_dtype(dtype: mx.Dtype) -> np.dtype[Any]:
-    return {mx.float32: np.dtype(np.float32), mx.float16: np.dtype(np.float16)}.get(
-        dtype,
-        np.dtype(np.uint16),  # bfloat16 travels as its raw 16 bits
-    )
+    if dtype == mx.float32:
+        return np.dtype(np.float32)
+    if dtype == mx.float16:
+        return np.dtype(np.float16)
+    return np.dtype(np.uint16)  # bfloat16 travels as its raw 16 bits
 
 
 @dataclass
@@ -190,7 +191,9 @@ class DiskTier:
         self._scan()
         self._staged: list[_Staged] = []
         self._staged_states: list[tuple[int, int, list[mx.array]]] = []
-        self._writes: queue.Queue[tuple[list[int], bytes] | threading.Event | None] = queue.Queue()
+        self._writes: queue.Queue[
+            tuple[list[int], bytes] | _StateWrite | threading.Event | None
+        ] = queue.Queue()
         self._writer = threading.Thread(target=self._write_loop, name="cairn-kv-disk", daemon=True)
         self._writer.start()
         self._reader = ThreadPoolExecutor(1, thread_name_prefix="cairn-kv-read")
@@ -374,7 +377,7 @@ class DiskTier:
                 runs.append([w])
         bb = self.block_bytes
         buf = np.empty(len(where) * bb, dtype=np.uint8)  # every run lands in one buffer
-        view = memoryview(buf)
+        view = memoryview(buf)  # type: ignore[arg-type]
         done = 0  # blocks read and checked
         for run in runs:
             name = run[0][0]

@@ -647,11 +647,12 @@ class Engine:
         blocks = list(self._cache.lookup(seq.tokens[: nb * bs + 1], salt=seq.prepared.salt))
         slot = states.allocate() if len(blocks) >= nb else None
         if slot is not None:
-            for (layer, e, _, _), host in zip(disk.state_entries, loaded.state, strict=True):
+            for (layer, entry, _, _), host in zip(disk.state_entries, loaded.state, strict=True):
                 arrs = p.state[layer]
                 assert arrs is not None
                 arr = mx.array(host)
-                arrs[e][slot] = arr.view(mx.bfloat16) if arrs[e].dtype == mx.bfloat16 else arr
+                bf16 = arrs[entry].dtype == mx.bfloat16
+                arrs[entry][slot] = arr.view(mx.bfloat16) if bf16 else arr
             states.add(int(hashes[nb - 1]), blocks[nb - 1], nb, slot)
         if blocks:
             self._pool.free(blocks)
