@@ -28,7 +28,6 @@ import dataclasses
 import os
 import statistics
 import sys
-import time
 from pathlib import Path
 
 # isort: off
@@ -39,14 +38,13 @@ import mlx.core as mx
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_zoo_batch import ours, theirs  # noqa: E402
-
-from mlx_cairn.engine import Engine  # noqa: E402
-from mlx_cairn.models import zoo  # noqa: E402
-from mlx_cairn.models.loaded import LoadedModel, assemble  # noqa: E402
-from mlx_cairn.models.testing import random_weights, tiny_tokenizer  # noqa: E402
-from mlx_cairn.models.tiny_configs import VOCAB  # noqa: E402
-from mlx_cairn.types import ChatRequest, Done, Message, SamplingParams  # noqa: E402
+from bench_zoo_batch import ours, theirs
+from mlx_cairn.engine import Engine
+from mlx_cairn.models import zoo
+from mlx_cairn.models.loaded import LoadedModel, assemble
+from mlx_cairn.models.testing import random_weights, tiny_tokenizer
+from mlx_cairn.models.tiny_configs import VOCAB
+from mlx_cairn.types import ChatRequest, Done, Message, SamplingParams
 
 PREFIX = 2500
 SUFFIX = 20
