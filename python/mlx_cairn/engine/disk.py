@@ -44,6 +44,7 @@ import threading
 import time
 import zlib
 from collections import OrderedDict
+from collections.abc import Callable
 from collections.abc import Sequence as Seq
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -234,27 +235,18 @@ class DiskTier:
         self.stats.blocks = len(self._index)
 
     def _header(self, path: Path) -> dict[str, Any] | None:
-        """The header of a file of this model and format, or None."""
-        try:
-            with open(path, "rb") as f:
-                if f.read(len(MAGIC)) != MAGIC:
-                    return None
-                (n,) = struct.unpack("<I", f.read(4))
-                header = json.loads(f.read(n))
-                if header.get("format") != FORMAT or header.get("key") != self.key:
-                    return None
-                count = len(header["hashes"])
-                if len(header["crc"]) != count or header["block_bytes"] != self.block_bytes:
-                    return None
-                if path.stat().st_size != len(MAGIC) + 4 + n + count * self.block_bytes:
-                    return None  # truncated
-                header["offset"] = len(MAGIC) + 4 + n
-                return header  # type: ignore[no-any-return]
-        except (OSError, ValueError, KeyError, TypeError, struct.error):
-            return None
+        """The header of a block file of this model and format, or None."""
+        return self._checked(path, lambda h: len(h["hashes"]) * self.block_bytes, blocks=True)
 
     def _snap_header(self, path: Path) -> dict[str, Any] | None:
         """The header of a state snapshot file of this model and format, or None."""
+        return self._checked(path, lambda h: self.state_bytes, blocks=False)
+
+    def _checked(
+        self, path: Path, payload: Callable[[dict[str, Any]], int], *, blocks: bool
+    ) -> dict[str, Any] | None:
+        """A file's header if its magic, format, model key and length (``payload(header)``
+        bytes after it: else it was cut short) are right; its payload offset added."""
         try:
             with open(path, "rb") as f:
                 if f.read(len(MAGIC)) != MAGIC:
@@ -263,7 +255,12 @@ class DiskTier:
                 header = json.loads(f.read(n))
             if header.get("format") != FORMAT or header.get("key") != self.key:
                 return None
-            if path.stat().st_size != len(MAGIC) + 4 + n + self.state_bytes:
+            if blocks and (
+                len(header["crc"]) != len(header["hashes"])
+                or header["block_bytes"] != self.block_bytes
+            ):
+                return None
+            if path.stat().st_size != len(MAGIC) + 4 + n + payload(header):
                 return None
             header["offset"] = len(MAGIC) + 4 + n
             return header  # type: ignore[no-any-return]

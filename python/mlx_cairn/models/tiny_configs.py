@@ -163,6 +163,16 @@ _QWEN_MOE = {
     "mlp_only_layers": [],
     "norm_topk_prob": True,
 }
+#: Qwen3.5 checkpoints nest their text model's config (the vision tower is absent here).
+_QWEN35_TEXT = {
+    **_LINEAR,
+    "hidden_size": 64,
+    "num_hidden_layers": 4,
+    "intermediate_size": 128,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "vocab_size": VOCAB,
+}
 _MAMBA = {"mamba_n_heads": 4, "mamba_d_head": 16, "mamba_d_state": 8, "mamba_d_conv": 4}
 
 #: Hybrids: recurrent-state layers (Gated DeltaNet, Mamba 2, short convolutions)
@@ -178,13 +188,7 @@ HYBRID_CONFIGS: dict[str, dict[str, Any]] = {
     "qwen3_5": {
         "num_hidden_layers": 4,
         "text_config": {
-            **_LINEAR,
-            "hidden_size": 64,
-            "num_hidden_layers": 4,
-            "intermediate_size": 128,
-            "num_attention_heads": 4,
-            "num_key_value_heads": 2,
-            "vocab_size": VOCAB,
+            **_QWEN35_TEXT,
             "rope_parameters": {
                 "type": "default",
                 "mrope_section": [1, 1, 0],
@@ -195,16 +199,7 @@ HYBRID_CONFIGS: dict[str, dict[str, Any]] = {
     },
     "qwen3_5_moe": {
         "num_hidden_layers": 4,
-        "text_config": {
-            **_LINEAR,
-            **_QWEN_MOE,
-            "hidden_size": 64,
-            "num_hidden_layers": 4,
-            "intermediate_size": 128,
-            "num_attention_heads": 4,
-            "num_key_value_heads": 2,
-            "vocab_size": VOCAB,
-        },
+        "text_config": {**_QWEN35_TEXT, **_QWEN_MOE},
     },
     "lfm2": {
         "num_hidden_layers": 4,
