@@ -107,9 +107,8 @@ class Loaded:
 
     hashes: list[int]
     arrays: list[np.ndarray] = field(default_factory=list)
-    #: A hybrid's state snapshot read with them (per state entry), and its hash.
+    #: A hybrid's state snapshot read with them (per state entry).
     state: list[np.ndarray] | None = None
-    state_hash: int | None = None
 
 
 @dataclass
@@ -347,7 +346,6 @@ class DiskTier:
             if snapshot is not None:
                 t0 = time.perf_counter()
                 out.state = self._read_state(snapshot)
-                out.state_hash = snapshot
                 self.stats.read_seconds += time.perf_counter() - t0
             return out
 

@@ -29,7 +29,7 @@ import threading
 import time
 import weakref
 from collections.abc import AsyncIterator, Callable, Iterator
-from dataclasses import replace
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
@@ -678,19 +678,8 @@ class Engine:
             requests_failed=up.failed,
             requests_cancelled=up.cancelled,
         )
-        if (d := self._disk) is not None:
-            ds = d.stats
-            snap = replace(
-                snap,
-                disk_blocks=ds.blocks,
-                disk_bytes=ds.bytes,
-                disk_hit_blocks=ds.hit_blocks,
-                disk_written_blocks=ds.written_blocks,
-                disk_read_bytes=ds.read_bytes,
-                disk_read_seconds=ds.read_seconds,
-                disk_write_bytes=ds.write_bytes,
-                disk_write_seconds=ds.write_seconds,
-            )
+        if (d := self._disk) is not None:  # EngineStats.disk_<x> is DiskStats.<x>
+            snap = replace(snap, **{f"disk_{k}": v for k, v in asdict(d.stats).items()})
         if (st := sched.states) is not None:
             snap = replace(
                 snap,

@@ -462,16 +462,17 @@ class PagedLayerCache:
 class _StateRows:
     """Slot indices of one step's rows: where each reads its state, where it writes."""
 
-    __slots__ = ("lengths", "read", "write_dst", "write_src")
+    __slots__ = ("read", "write_dst", "write_src")
 
     def __init__(self, slots: Seq[tuple[int, Seq[int]]], lens: np.ndarray, length: int) -> None:
+        # Rows with recurrent state are never padded (runner._prefill_groups): not
+        # every mlx-lm recurrent layer keeps its state over padding.
+        if not bool((lens == length).all()):
+            raise ValueError("rows with recurrent state must all feed the same number of tokens")
         self.read = mx.array([r for r, _ in slots], dtype=mx.int32)
         src = [b for b, (_, ws) in enumerate(slots) for _ in ws]
         self.write_src = mx.array(src, dtype=mx.int32)
         self.write_dst = mx.array([w for _, ws in slots for w in ws], dtype=mx.int32)
-        # Ragged rows: mlx-lm's recurrent layers mask the padding and keep the
-        # state of each row's last real token (ArraysCache ``lengths``).
-        self.lengths = None if bool((lens == length).all()) else lens.astype(np.int32)
 
 
 def _state_cache(owner: PagedKVCache, layer: int, size: int) -> Any:
@@ -482,10 +483,6 @@ def _state_cache(owner: PagedKVCache, layer: int, size: int) -> Any:
     cache = _paged_state_class(ArraysCache)(size)
     cache.owner, cache.layer = owner, layer
     cache.cache = [owner.read_state(layer, e) for e in range(size)]
-    assert owner._state is not None
-    lens = owner._state.lengths
-    # Each layer its own array: mlx-lm's ``advance`` decrements it in place.
-    cache.lengths = None if lens is None else mx.array(lens)
     return cache
 
 

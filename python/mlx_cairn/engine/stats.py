@@ -49,9 +49,11 @@ class EngineStats:
     state_cache_bytes: int = 0
     state_snapshot_hits: int = 0
     state_snapshot_hit_tokens: int = 0
-    #: The disk tier (``kv_disk_dir``; all 0 without one): blocks and bytes held,
-    #: blocks read back for prefix hits and written on eviction, and the bytes and
-    #: seconds of its reads and writes (throughput = bytes / seconds).
+    #: The disk tier (``kv_disk_dir``; all 0 without one; engine/disk.py DiskStats):
+    #: blocks and bytes held, blocks read back for prefix hits and written on
+    #: eviction, the bytes and seconds of its reads and writes (throughput = bytes
+    #: / seconds), files dropped (foreign, cut short, over budget) and blocks that
+    #: failed their checksum.
     disk_blocks: int = 0
     disk_bytes: int = 0
     disk_hit_blocks: int = 0
@@ -60,6 +62,8 @@ class EngineStats:
     disk_read_seconds: float = 0.0
     disk_write_bytes: int = 0
     disk_write_seconds: float = 0.0
+    disk_dropped_files: int = 0
+    disk_corrupt_blocks: int = 0
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
