@@ -32,17 +32,14 @@ from pathlib import Path
 
 # isort: off
 import mlx_cairn  # noqa: F401  (loads the optimized BLAS before mlx.core)
-import mlx.core as mx
 
 # isort: on
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_zoo_batch import ours, theirs
+from bench_zoo_batch import ours, random_model, theirs
 from mlx_cairn.engine import Engine
-from mlx_cairn.models import zoo
-from mlx_cairn.models.loaded import LoadedModel, assemble
-from mlx_cairn.models.testing import random_weights, tiny_tokenizer
+from mlx_cairn.models.loaded import LoadedModel
 from mlx_cairn.models.tiny_configs import VOCAB
 from mlx_cairn.types import ChatRequest, Done, Message, SamplingParams
 
@@ -70,24 +67,10 @@ TEXT = dict(
 
 
 def hybrid_model() -> LoadedModel:
-    config = {
-        "model_type": "qwen3_5",
-        "text_config": {**TEXT, "model_type": "qwen3_5_text"},
-        "max_position_embeddings": TEXT["max_position_embeddings"],
-        "vocab_size": VOCAB,
-    }
-    inner = zoo.build_model(config, None)
-    random_weights(inner, seed=0)
-    model = zoo.finish(inner, config, compute=mx.float32, dequant=False)
-    return assemble(
-        name="random-qwen3_5",
-        model=model,
-        tokenizer=tiny_tokenizer(),
-        template_source="{{ messages[0]['content'] }}",
-        eos_token_ids=set(),
-        context_length=int(config["max_position_embeddings"]),
-        identity="random-qwen3_5",
-        source_format="memory",
+    return random_model(
+        "qwen3_5",
+        text_config={**TEXT, "model_type": "qwen3_5_text"},
+        max_position_embeddings=TEXT["max_position_embeddings"],
     )
 
 
