@@ -23,15 +23,25 @@ PROMPTS = [
     "Hello world, how are you today?",
     "What is the capital of France? " * 2,
     "def add(x, y):\n    return x + y",
+    # Repeated text: prompt lookup proposes drafts (and some are accepted).
+    "one two three four five six seven eight nine ten. one two three four five six",
 ]
 
 
-@pytest.fixture(scope="module", params=["llama", "qwen3_5"])
-def lm(request):
-    # An attention model, and a hybrid whose recurrent state lives in state slots.
+@pytest.fixture(scope="module", params=["llama", "qwen3_5", "llama-ngram"])
+def case(request):
+    # An attention model, a hybrid whose recurrent state lives in state slots, and
+    # the attention model with speculative decoding (verify rows and rollbacks).
     if request.param == "llama":
-        return tiny_model("llama", seed=3)
-    return tiny_zoo_model(request.param, seed=3)
+        return tiny_model("llama", seed=3), {}
+    if request.param == "llama-ngram":
+        return tiny_model("llama", seed=3), {"speculative": "ngram"}
+    return tiny_zoo_model(request.param, seed=3), {}
+
+
+@pytest.fixture(scope="module")
+def lm(case):
+    return case[0]
 
 
 _refs: dict[tuple[str, int], list[int]] = {}
@@ -110,10 +120,10 @@ config = st.fixed_dictionaries(
     ops=st.lists(op, min_size=1, max_size=14),
     faults=st.lists(fault, max_size=4),
 )
-def test_random_schedules_never_leak_or_hang(lm, cfg, ops, faults):
+def test_random_schedules_never_leak_or_hang(case, lm, cfg, ops, faults):
     """Random arrivals, cancels and faults in any phase of any row: faulted rows end
     with an internal error, every other row gets exactly the reference tokens."""
-    engine = Engine(lm, **cfg)
+    engine = Engine(lm, **cfg, **case[1])
     hook = Faults(faults)
     engine._row_fault_hook = hook
     try:

@@ -151,6 +151,9 @@ class ChatRequest:
     reasoning_budget: int | None = None
     #: Keeps prefix-cache entries of different tenants apart (DESIGN.md §3).
     cache_salt: str | None = None
+    #: Speculative decoding for this request: None = the server's setting,
+    #: False = off (an opt-out; True cannot turn it on where the server has none).
+    speculative: bool | None = None
     #: Extra keyword arguments for the chat template.
     template_kwargs: dict[str, Any] = field(default_factory=dict)
 
@@ -214,6 +217,10 @@ class Usage:
     output_tokens: int = 0
     #: Prompt tokens served from the prefix cache (real hits).
     cached_tokens: int = 0
+    #: Speculative decoding: draft tokens proposed and verified, and how many of
+    #: them were accepted (0 when the request did not speculate).
+    draft_tokens: int = 0
+    accepted_draft_tokens: int = 0
 
 
 @dataclass(frozen=True, slots=True)

@@ -41,9 +41,16 @@ from mlx_cairn.engine import prepare as _prep
 from mlx_cairn.engine.disk import DiskTier, stable_seed
 from mlx_cairn.engine.logits import masks_for
 from mlx_cairn.engine.paged import KVPools, LayerSpec, pool_blocks
-from mlx_cairn.engine.runner import ModelRunner, SampledStep, StepOutput, merge_outputs
+from mlx_cairn.engine.runner import (
+    ModelRunner,
+    SampledStep,
+    StepOutput,
+    merge_outputs,
+    read_verified,
+)
 from mlx_cairn.engine.scheduler import Scheduler, StepPlan
 from mlx_cairn.engine.sequence import PreparedRequest, Sequence
+from mlx_cairn.engine.speculate import DEFAULT_NUM_SPECULATIVE, SPECULATIVE_MODES, RowSpec
 from mlx_cairn.engine.state import DEFAULT_INTERVAL_BLOCKS, StateSlots
 from mlx_cairn.engine.stats import EngineStats
 from mlx_cairn.engine.stream import RequestStream
@@ -95,6 +102,13 @@ class Engine:
             evicted blocks are kept there, across restarts, up to ``kv_disk_gb``
             GiB for the whole directory (default :data:`DEFAULT_DISK_GB`). Not used
             for models with recurrent layers.
+        speculative: ``"ngram"``: speculative decoding by prompt lookup
+            (engine/speculate.py); greedy output is unchanged, sampled output keeps
+            the model's distribution. Rows with logits processors, grammars or
+            logprobs, and models with recurrent layers, decode without it.
+        num_speculative_tokens: most draft tokens per step and row (default
+            :data:`~mlx_cairn.engine.speculate.DEFAULT_NUM_SPECULATIVE`), adapted
+            per row to its acceptance.
     """
 
     def __init__(
@@ -112,6 +126,8 @@ class Engine:
         snapshot_interval: int = DEFAULT_INTERVAL_BLOCKS,
         kv_disk_dir: str | os.PathLike[str] | None = None,
         kv_disk_gb: float | None = None,
+        speculative: str | None = None,
+        num_speculative_tokens: int | None = None,
     ) -> None:
         for name, val in (
             ("block_size", block_size),
@@ -121,6 +137,16 @@ class Engine:
         ):
             if not isinstance(val, int) or val < 1:
                 raise ValueError(f"{name} must be a positive integer, got {val!r}")
+        if speculative is not None and speculative not in SPECULATIVE_MODES:
+            raise ValueError(
+                f"speculative must be one of {', '.join(SPECULATIVE_MODES)}, got {speculative!r}"
+            )
+        if num_speculative_tokens is None:
+            num_speculative_tokens = DEFAULT_NUM_SPECULATIVE
+        if not isinstance(num_speculative_tokens, int) or not 0 <= num_speculative_tokens <= 64:
+            raise ValueError(
+                f"num_speculative_tokens must be an integer in 0..64, got {num_speculative_tokens!r}"
+            )
         self.loaded = loaded_model
         model = loaded_model.model
         if kv_dtype is None:
@@ -165,6 +191,10 @@ class Engine:
         )
         self.block_size = block_size
         self.max_queue = max_queue
+        #: Most draft tokens per row and step (0: no speculative decoding).
+        self._spec_k = num_speculative_tokens if speculative is not None and not slot_bytes else 0
+        if speculative is not None and slot_bytes:
+            log.warning("speculative decoding is off: the model has recurrent layers")
         self.context_length = int(loaded_model.context_length)
         self._pools = KVPools(
             layers=layer_specs,
@@ -288,6 +318,8 @@ class Engine:
                 tokens=list(prepared.prompt_ids),
                 arrival=rid,
             )
+            if self._spec_k and _speculates(prepared):
+                seq.spec = RowSpec(self._spec_k)
             if prepared.grammar is not None:
                 seq.row_masks.append(
                     GrammarMask(
@@ -402,6 +434,10 @@ class Engine:
         """Plan and launch the next step, then apply the previous one (see update.py)."""
         up = self._update
         up.row_hook = self._row_fault_hook
+        if self._inflight is not None and self._scheduler.wants_sync():
+            # A speculating row plans from its known tokens: read the step in flight first.
+            ready, self._inflight = self._inflight, None
+            self._apply(ready)
         plan = self._scheduler.schedule(self._row_check("schedule"))
         for seq, err in plan.failed:
             up.fail(seq, "scheduled", err)
@@ -517,13 +553,14 @@ class Engine:
         """The step's host values; when reading it whole fails, row by row (failed rows
         get their exception)."""
         check = self._row_check("finalize")
+        verify_rows = [r for rows, _, _ in out.verify for r in rows]
         try:
             if check is not None:
-                for r in out.rows:
+                for r in (*out.rows, *verify_rows):
                     check(r.seq)
             return self._runner.read(out), None
         except Exception as e:
-            if out.sampled is None:
+            if out.sampled is None and not out.verify:
                 raise
             first = e
         log.warning("reading a step back failed (%s); reading its rows one by one", first)
@@ -532,11 +569,18 @@ class Engine:
             try:
                 if check is not None:
                     check(r.seq)
-                results.append(int(out.sampled[i].item()))  # type: ignore[arg-type]
+                results.append(int(out.sampled[i].item()))  # type: ignore[index, arg-type]
             except Exception as e:
                 results.append(e)
+        verified = read_verified(out, by_row=True)
+        if check is not None:
+            for j, (r, got) in enumerate(verified):
+                try:
+                    check(r.seq)
+                except Exception as e:
+                    verified[j] = (r, e if not isinstance(got, BaseException) else got)
         # Logprobs are dropped with the batched read: the rows still get their tokens.
-        return SampledStep(out.plan, out.rows, [], {}), results
+        return SampledStep(out.plan, out.rows, [], {}, verified), results
 
     # ------------------------------------------------------------ applying a step
 
@@ -677,6 +721,9 @@ class Engine:
             requests_completed=up.completed,
             requests_failed=up.failed,
             requests_cancelled=up.cancelled,
+            spec_verify_rows=up.verify_rows,
+            spec_draft_tokens=up.draft_proposed,
+            spec_accepted_tokens=up.draft_accepted,
         )
         if (d := self._disk) is not None:  # EngineStats.disk_<x> is DiskStats.<x>
             snap = replace(snap, **{f"disk_{k}": v for k, v in asdict(d.stats).items()})
@@ -692,6 +739,18 @@ class Engine:
             )
         with self._lock:
             self._stats = snap
+
+
+def _speculates(prepared: PreparedRequest) -> bool:
+    """Whether a request may speculate: not opted out, and nothing that reads each
+    token before the next is scored (processors, a grammar, logprobs)."""
+    s = prepared.sampling
+    return (
+        prepared.request.speculative is not False
+        and prepared.grammar is None
+        and not s.uses_processors
+        and not s.logprobs
+    )
 
 
 def _materialize(model: Any) -> None:

@@ -27,6 +27,7 @@ from typing import Any
 import mlx.core as mx
 
 from mlx_cairn.engine import logits as _logits
+from mlx_cairn.engine import speculate
 from mlx_cairn.engine.paged import KVPools, PagedKVCache
 from mlx_cairn.engine.sampler import sample_rows
 from mlx_cairn.engine.scheduler import RowPlan, StepPlan
@@ -50,6 +51,9 @@ class StepOutput:
     deferred: tuple[RowPlan, ...] = ()
     #: Their raw logits [len(deferred), vocab] (lazy).
     deferred_logits: mx.array | None = None
+    #: Verify rows (speculative decoding) per launched part: (rows, tokens [R, W],
+    #: counts [R]) from :func:`mlx_cairn.engine.speculate.verify` (lazy).
+    verify: list[tuple[tuple[RowPlan, ...], mx.array, mx.array]] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -61,6 +65,9 @@ class SampledStep:
     tokens: list[int]
     #: {row index: (chosen logprob, [(token id, logprob), ...])}
     logprobs: dict[int, tuple[float, list[tuple[int, float]]]]
+    #: Verify rows and their output tokens (accepted drafts, then one more), or
+    #: why that row could not be read.
+    verified: list[tuple[RowPlan, list[int] | BaseException]] = field(default_factory=list)
 
 
 class ModelRunner:
@@ -88,13 +95,18 @@ class ModelRunner:
             cache.commit()
             parts.append(self.model.logits(h[:, -1, :]))
             rows.extend(dec)
-        for group in _prefill_groups(list(plan.prefill), ragged=not self.pools.has_state):
+        verify_rows: list[speculate.VerifyRow] = []
+        verify_plans: list[RowPlan] = []
+        verify_logits: list[mx.array] = []
+        chunks = [*plan.prefill, *plan.verify]
+        for group in _prefill_groups(chunks, ragged=not self.pools.has_state):
             width = max(r.n for r in group)
             ids = []
             for r in group:
                 if r.placeholder:
                     raise RuntimeError("a prefill chunk cannot include a token in flight")
-                ids.append(r.seq.tokens[r.start : r.start + r.n] + [0] * (width - r.n))
+                fed = r.seq.tokens[r.start : r.start + r.n - len(r.draft)] + list(r.draft)
+                ids.append(fed + [0] * (width - r.n))
             cache = PagedKVCache(
                 self.pools,
                 [list(r.block_ids) for r in group],
@@ -104,15 +116,43 @@ class ModelRunner:
             )
             h = self.model(mx.array(ids, dtype=mx.int32), cache)
             cache.commit()
-            last = [(b, r.n - 1) for b, r in enumerate(group) if r.samples]
+            last = [(b, r.n - 1) for b, r in enumerate(group) if r.samples and not r.draft]
+            scored = [(b, j) for b, r in enumerate(group) if r.draft for j in range(r.n)]
+            if scored:
+                offset = sum(1 + len(v.draft) for v in verify_rows)
+                for r in group:
+                    if r.draft:
+                        verify_rows.append(
+                            speculate.VerifyRow(
+                                offset, r.draft, r.seq.prepared.sampling, r.out_index
+                            )
+                        )
+                        verify_plans.append(r)
+                        offset += r.n
+                rows_idx = mx.array([b for b, _ in scored], dtype=mx.int32)
+                cols_idx = mx.array([j for _, j in scored], dtype=mx.int32)
+                verify_logits.append(self.model.logits(h[rows_idx, cols_idx, :]))
             if last:
                 rows_idx = mx.array([b for b, _ in last], dtype=mx.int32)
                 cols_idx = mx.array([c for _, c in last], dtype=mx.int32)
                 parts.append(self.model.logits(h[rows_idx, cols_idx, :]))
                 rows.extend(group[b] for b, _ in last)
+        verified: list[tuple[tuple[RowPlan, ...], mx.array, mx.array]] = []
+        if verify_rows:
+            logits = verify_logits[0] if len(verify_logits) == 1 else mx.concatenate(verify_logits)
+            tokens_v, counts_v = speculate.verify(logits, verify_rows)
+            verified.append((tuple(verify_plans), tokens_v, counts_v))
+            mx.async_eval(tokens_v, counts_v)
         if not rows:
             mx.async_eval(self.pools.arrays())
-            return StepOutput(plan, (), None)
+            return StepOutput(plan, (), None, verify=verified)
+        out = self._execute_sampling(plan, rows, parts)
+        out.verify = verified
+        return out
+
+    def _execute_sampling(
+        self, plan: StepPlan, rows: list[RowPlan], parts: list[mx.array]
+    ) -> StepOutput:
         raw = parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=0)
         later = [i for i, r in enumerate(rows) if r.placeholder and _logits.needs_host_token(r.seq)]
         if not later:
@@ -167,12 +207,35 @@ class ModelRunner:
 
     def read(self, out: StepOutput) -> SampledStep:
         """Wait for ``out``; its tokens (and logprobs) on the host."""
+        verified = read_verified(out)
         if out.sampled is None:
             mx.eval(self.pools.arrays())
-            return SampledStep(out.plan, (), [], {})
+            return SampledStep(out.plan, (), [], {}, verified)
         tokens: list[int] = out.sampled.tolist()  # type: ignore[assignment]
         lp = {off + row: v for off, part in out.logprobs for row, v in part.read().items()}
-        return SampledStep(out.plan, out.rows, tokens, lp)
+        return SampledStep(out.plan, out.rows, tokens, lp, verified)
+
+
+def read_verified(
+    out: StepOutput, *, by_row: bool = False
+) -> list[tuple[RowPlan, list[int] | BaseException]]:
+    """The verify rows' output tokens on the host (``by_row``: each row read alone,
+    a row that fails gets its exception)."""
+    done: list[tuple[RowPlan, list[int] | BaseException]] = []
+    for rows, tokens, counts in out.verify:
+        if not by_row:
+            toks: list[list[int]] = tokens.tolist()  # type: ignore[assignment]
+            cnt: list[int] = counts.tolist()  # type: ignore[assignment]
+            done.extend((r, toks[i][: cnt[i] + 1]) for i, r in enumerate(rows))
+            continue
+        for i, r in enumerate(rows):
+            try:
+                c = int(counts[i].item())  # type: ignore[arg-type]
+                row: list[int] = tokens[i].tolist()  # type: ignore[assignment]
+                done.append((r, row[: c + 1]))
+            except Exception as e:
+                done.append((r, e))
+    return done
 
 
 def merge_outputs(parts: list[StepOutput]) -> StepOutput | None:
@@ -184,6 +247,7 @@ def merge_outputs(parts: list[StepOutput]) -> StepOutput | None:
     plan = StepPlan(
         decode=tuple(r for p in parts for r in p.plan.decode),
         prefill=tuple(r for p in parts for r in p.plan.prefill),
+        verify=tuple(r for p in parts for r in p.plan.verify),
     )
     sampled = [p.sampled for p in parts if p.sampled is not None]
     logprobs: list[tuple[int, _logits.StepLogprobs]] = []
@@ -201,6 +265,7 @@ def merge_outputs(parts: list[StepOutput]) -> StepOutput | None:
         mx.concatenate([p.deferred_logits for p in deferred])  # type: ignore[misc]
         if deferred
         else None,
+        [v for p in parts for v in p.verify],
     )
 
 

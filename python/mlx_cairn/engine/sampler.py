@@ -75,6 +75,26 @@ def sample_tokens(
     if bool(np.all(greedy_rows)):
         return greedy
 
+    probs, order = _filtered(logits, temperature, top_k, top_p, min_p)
+    cdf = mx.cumsum(probs, axis=-1)
+    target = mx.array(uniform.astype(np.float32))[:, None] * cdf[:, -1:]
+    idx = mx.minimum((cdf < target).sum(axis=-1), V - 1).astype(mx.int32)
+    if order is not None:
+        idx = mx.take_along_axis(order, idx[:, None], axis=-1)[:, 0].astype(mx.int32)
+    return mx.where(mx.array(greedy_rows), greedy, idx)
+
+
+def _filtered(
+    logits: mx.array,
+    temperature: np.ndarray,
+    top_k: np.ndarray,
+    top_p: np.ndarray,
+    min_p: np.ndarray,
+) -> tuple[mx.array, mx.array | None]:
+    """Each row's filtered distribution [B, V] (greedy rows at temperature 1), sorted
+    descending with its ``order`` when a top-k / top-p / min-p filter needs the sort."""
+    V = logits.shape[-1]
+    greedy_rows = temperature < GREEDY_BELOW_TEMPERATURE
     temp = mx.array(np.where(greedy_rows, 1.0, temperature).astype(np.float32))[:, None]
     scaled = logits / temp
     k = np.where(top_k > 0, np.minimum(top_k, V), V).astype(np.int32)
@@ -96,13 +116,23 @@ def sample_tokens(
         floor = mx.array(min_p.astype(np.float32))[:, None] * probs[:, :1]
         keep = keep & (probs >= floor)
         probs = mx.where(keep, probs, 0.0)
+    return probs, order
 
-    cdf = mx.cumsum(probs, axis=-1)
-    target = mx.array(uniform.astype(np.float32))[:, None] * cdf[:, -1:]
-    idx = mx.minimum((cdf < target).sum(axis=-1), V - 1).astype(mx.int32)
-    if order is not None:
-        idx = mx.take_along_axis(order, idx[:, None], axis=-1)[:, 0].astype(mx.int32)
-    return mx.where(mx.array(greedy_rows), greedy, idx)
+
+def filtered_probs(logits: mx.array, params: Sequence[SamplingParams]) -> mx.array:
+    """The distribution each row of ``logits`` [B, V] samples from, normalized, in
+    vocabulary order (greedy rows: at temperature 1; their sampling takes the argmax)."""
+    probs, order = _filtered(
+        logits.astype(mx.float32),
+        np.array([p.temperature for p in params], dtype=np.float32),
+        np.array([p.top_k for p in params], dtype=np.int32),
+        np.array([p.top_p for p in params], dtype=np.float32),
+        np.array([p.min_p for p in params], dtype=np.float32),
+    )
+    probs = probs / probs.sum(axis=-1, keepdims=True)
+    if order is None:
+        return probs
+    return mx.put_along_axis(mx.zeros_like(probs), order, probs, axis=-1)
 
 
 def sample(logits: mx.array, rows: Sequence[RowSampler]) -> mx.array:

@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import bisect
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from mlx_cairn.engine.sequence import Sequence
@@ -72,6 +72,10 @@ class RowPlan:
     #: Blocks up to ``start + n`` when the row ends on a block boundary and
     #: writes its boundary slot (0: it does not).
     boundary: int = 0
+    #: A verify row (speculative decoding, engine/speculate.py): the draft tokens
+    #: fed after the last known one (``n = 1 + len(draft)``); every fed token
+    #: is scored.
+    draft: tuple[int, ...] = ()
 
     @staticmethod
     def of(seq: Sequence, n: int, block_size: int = 0) -> RowPlan:
@@ -107,12 +111,14 @@ class StepPlan:
     decode: tuple[RowPlan, ...] = ()
     #: Prefill chunks.
     prefill: tuple[RowPlan, ...] = ()
+    #: Verify rows: a known token and its draft (speculative decoding).
+    verify: tuple[RowPlan, ...] = ()
     #: Sequences whose planning raised (already removed, blocks freed), with why.
     failed: tuple[tuple[Sequence, BaseException], ...] = ()
 
     @property
     def rows(self) -> tuple[RowPlan, ...]:
-        return (*self.decode, *self.prefill)
+        return (*self.decode, *self.prefill, *self.verify)
 
     def sequences(self) -> list[Sequence]:
         return [r.seq for r in self.rows]
@@ -122,10 +128,11 @@ class StepPlan:
         return StepPlan(
             decode=tuple(r for r in self.decode if r.seq is seq),
             prefill=tuple(r for r in self.prefill if r.seq is seq),
+            verify=tuple(r for r in self.verify if r.seq is seq),
         )
 
     def __bool__(self) -> bool:
-        return bool(self.decode or self.prefill)
+        return bool(self.decode or self.prefill or self.verify)
 
 
 @dataclass(slots=True)
@@ -134,20 +141,29 @@ class _Draft:
 
     decode: list[Sequence] = field(default_factory=list)
     prefill: list[tuple[Sequence, int]] = field(default_factory=list)
+    verify: list[tuple[Sequence, tuple[int, ...]]] = field(default_factory=list)
     failed: list[tuple[Sequence, BaseException]] = field(default_factory=list)
 
     def discard(self, seq: Sequence) -> None:
         if seq in self.decode:
             self.decode.remove(seq)
         self.prefill = [(s, n) for s, n in self.prefill if s is not seq]
+        self.verify = [(s, d) for s, d in self.verify if s is not seq]
 
     def has(self, seq: Sequence) -> bool:
-        return seq in self.decode or any(s is seq for s, _ in self.prefill)
+        return (
+            seq in self.decode
+            or any(s is seq for s, _ in self.prefill)
+            or any(s is seq for s, _ in self.verify)
+        )
 
     def freeze(self, block_size: int) -> StepPlan:
         return StepPlan(
             decode=tuple(RowPlan.of(s, 1, block_size) for s in self.decode),
             prefill=tuple(RowPlan.of(s, n, block_size) for s, n in self.prefill),
+            verify=tuple(
+                replace(RowPlan.of(s, 1, block_size), n=1 + len(d), draft=d) for s, d in self.verify
+            ),
             failed=tuple(self.failed),
         )
 
@@ -226,16 +242,18 @@ class Scheduler:
             try:
                 if check is not None:
                     check(seq)
-                if (
-                    seq.num_pending == 1
-                    and seq.wants_more
-                    and seq.forced is None
-                    and self._grow(seq, 1, plan)
-                ):
-                    plan.decode.append(seq)
+                if seq.num_pending != 1 or not seq.wants_more or seq.forced is not None:
+                    continue
+                draft = self._draft(seq)
+                if self._grow(seq, 1 + len(draft), plan):
+                    if draft:
+                        plan.verify.append((seq, draft))
+                    else:
+                        plan.decode.append(seq)
             except Exception as e:
                 self._drop(seq, e, plan)
         budget = self.step_token_budget - len(plan.decode)
+        budget -= sum(1 + len(d) for _, d in plan.verify)
         for seq in list(self.running):
             if budget <= 0:
                 break
@@ -251,8 +269,8 @@ class Scheduler:
         for seq in list(self.waiting):
             if budget <= 0 or len(self.running) >= self.max_batch:
                 break
-            if seq.inflight:  # preempted with a token in flight: recompute once it is known
-                break
+            if seq.inflight or seq.verifying:
+                break  # preempted with tokens in flight: recompute once they are known
             if seq.disk_read is not None:
                 if not seq.disk_read.done():
                     continue  # its blocks are being read from disk: the others go on
@@ -281,6 +299,41 @@ class Scheduler:
             # reused by later plans, whose writes come after its reads.
             self.states.trim(self.cache, headroom=self.max_batch)
         return plan.freeze(self.block_size)
+
+    def _draft(self, seq: Sequence) -> tuple[int, ...]:
+        """A speculating row's draft for its next token (empty: it decodes one token).
+
+        Only a row whose pending token is known proposes (its look-ahead token
+        would be a guess), and never past ``max_tokens``."""
+        spec = seq.spec
+        if spec is None or seq.inflight or seq.row_masks:
+            return ()
+        room = seq.prepared.max_tokens - seq.num_output - 1
+        draft = tuple(spec.propose(seq.tokens, room)) if room > 0 else ()
+        if draft:  # a draft never preempts anyone: shorten it to the free blocks
+            end = seq.num_computed + 1
+            fits = (len(seq.block_ids) + self.pool.num_free_blocks) * self.block_size - end
+            draft = draft[: max(0, fits)]
+        return draft
+
+    def wants_sync(self) -> bool:
+        """Whether a running row needs the step in flight read back before planning:
+        a verify row's tokens decide its next row; a speculating row whose end
+        matched can propose once its look-ahead token is known."""
+        return any(
+            s.verifying or (s.spec is not None and s.spec.wants and s.inflight)
+            for s in self.running
+        )
+
+    def trim(self, seq: Sequence) -> None:
+        """Free the blocks past what ``seq`` needs for its next token (a verify row's
+        rejected positions); they were never registered."""
+        if seq not in self.running:
+            return
+        keep = max(self.blocks_needed(seq.num_computed + 1), seq.num_registered)
+        if len(seq.block_ids) > keep:
+            self.pool.free(seq.block_ids[keep:])
+            del seq.block_ids[keep:]
 
     def _drop(self, seq: Sequence, err: BaseException, plan: _Draft) -> None:
         """Take a sequence whose planning failed out of the plan and the queues."""

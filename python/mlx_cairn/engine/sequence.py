@@ -119,6 +119,11 @@ class Sequence:
     row_masks: list[Any] = field(default_factory=list)
     #: Text side (mlx_cairn.engine.output.SequenceOutput), created lazily.
     pipeline: Any = None
+    #: Speculative decoding (mlx_cairn.engine.speculate.RowSpec), or None.
+    spec: Any = None
+    #: A verify row of this sequence is in flight (its tokens are not known yet:
+    #: ``num_computed`` runs ahead over its draft until the step is read back).
+    verifying: bool = False
     #: Reasoning budget tracker (mlx_cairn.engine.reasoning.ReasoningBudget), or None.
     budget: Any = None
     #: Token ids that replace the sampled tokens still in flight (the forced

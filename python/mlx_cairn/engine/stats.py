@@ -64,6 +64,11 @@ class EngineStats:
     disk_write_seconds: float = 0.0
     disk_dropped_files: int = 0
     disk_corrupt_blocks: int = 0
+    #: Speculative decoding (all 0 when off): verify rows run, the draft tokens
+    #: they scored, and those accepted (acceptance rate = accepted / draft).
+    spec_verify_rows: int = 0
+    spec_draft_tokens: int = 0
+    spec_accepted_tokens: int = 0
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)

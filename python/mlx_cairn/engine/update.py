@@ -26,7 +26,7 @@ from typing import Any
 from mlx_cairn.engine.output import SequenceOutput, token_text
 from mlx_cairn.engine.reasoning import ReasoningBudget
 from mlx_cairn.engine.runner import SampledStep, StepOutput
-from mlx_cairn.engine.scheduler import Scheduler, StepPlan
+from mlx_cairn.engine.scheduler import RowPlan, Scheduler, StepPlan
 from mlx_cairn.engine.sequence import Sequence
 from mlx_cairn.types import (
     Admitted,
@@ -75,6 +75,10 @@ class StateUpdate:
         self.failed = 0
         self.cancelled = 0
         self.generated_tokens = 0
+        #: Speculative decoding: verify rows applied, their draft tokens, those accepted.
+        self.verify_rows = 0
+        self.draft_proposed = 0
+        self.draft_accepted = 0
         self._token_text: dict[int, tuple[str, tuple[int, ...]]] = {}
 
     # ------------------------------------------------------------ membership
@@ -145,6 +149,8 @@ class StateUpdate:
                     seq.plan_snapshot = 0
                 if r.boundary:
                     seq.boundary_blocks = r.boundary
+        for r in out.plan.verify:
+            r.seq.verifying = True
         self.queued(out)
 
     def queued(self, out: StepOutput) -> None:
@@ -171,6 +177,21 @@ class StateUpdate:
                 self._apply_token(seq, token, step.logprobs.get(i), now)
             except Exception as e:  # one row's text side or bookkeeping: that row only
                 self.fail(seq, "updated", e)
+        for r, got in step.verified:
+            seq = r.seq
+            if not self.live(seq):
+                continue
+            seq.verifying = False
+            if isinstance(got, BaseException):
+                self._roll_back(seq)
+                self.fail(seq, "read back", got)
+                continue
+            try:
+                if hook is not None:
+                    hook("update", seq)
+                self._apply_verified(r, got, now)
+            except Exception as e:
+                self.fail(seq, "updated", e)
 
     #: Test hook (phase, sequence), set by the engine's fault hooks.
     row_hook: Callable[[str, Sequence], None] | None = None
@@ -194,11 +215,19 @@ class StateUpdate:
                 seq.inflight.clear()
                 seq.num_computed = min(seq.num_computed, len(seq.tokens) - 1)
                 self._recompute_state(seq)
+            if seq.verifying:
+                self._roll_back(seq)
             if seq.forced is not None and self.live(seq):
                 try:
                     self._apply_forced(seq, now)  # or it would never be scheduled again
                 except Exception as e:
                     self.fail(seq, "updated", e)
+
+    def _roll_back(self, seq: Sequence) -> None:
+        """A verify row's result is lost: its last known token is pending again."""
+        seq.verifying = False
+        seq.num_computed = min(seq.num_computed, len(seq.tokens) - 1)
+        self.scheduler.trim(seq)
 
     def _recompute_state(self, seq: Sequence) -> None:
         """A recurrent state has taken in tokens that are being rolled back: unlike
@@ -238,7 +267,40 @@ class StateUpdate:
             return
         seq.tokens.append(token)
         self.scheduler.register(seq)
-        self._on_token(seq, token, now, logprob)
+        if self._on_token(seq, token, now, logprob) and seq.spec is not None:
+            seq.spec.observe(seq.tokens, 1)
+
+    def _apply_verified(self, r: RowPlan, tokens: list[int], now: float) -> None:
+        """A verify row's output: its accepted drafts, then one more token, each taken
+        in order as if sampled alone; the rejected positions roll back.
+
+        Each token leaves its predecessor's KV row valid, so ``num_computed`` follows
+        the known tokens (one behind); the row stops early when the request ends
+        or the reasoning budget forces its close (the tokens after it are dropped).
+        """
+        seq = r.seq
+        spec = seq.spec
+        accepted = len(tokens) - 1
+        if spec is not None:
+            spec.record(len(r.draft), accepted)
+        self.verify_rows += 1
+        self.draft_proposed += len(r.draft)
+        self.draft_accepted += accepted
+        start = len(seq.tokens)
+        end = seq.num_computed  # past the draft (0 if it was preempted meanwhile)
+        for token in tokens:
+            seq.tokens.append(token)
+            seq.num_computed = min(end, len(seq.tokens) - 1)
+            self.scheduler.register(seq)
+            n = len(seq.tokens)
+            if not self._on_token(seq, token, now, None):
+                return
+            if len(seq.tokens) != n:  # the forced close of reasoning took over
+                break
+        seq.num_computed = min(seq.num_computed, len(seq.tokens) - 1)
+        self.scheduler.trim(seq)
+        if spec is not None:
+            spec.observe(seq.tokens, len(seq.tokens) - start)
 
     def _apply_forced(self, seq: Sequence, now: float) -> None:
         """Append the forced ids (the close of reasoning) as if they had been sampled.
@@ -347,5 +409,12 @@ class StateUpdate:
             else 0.0,
             decode_tokens_per_s=decode_n / (now - first) if decode_n > 0 and now > first else 0.0,
         )
-        usage = Usage(input_tokens=prompt, output_tokens=seq.num_output, cached_tokens=cached)
+        spec = seq.spec
+        usage = Usage(
+            input_tokens=prompt,
+            output_tokens=seq.num_output,
+            cached_tokens=cached,
+            draft_tokens=spec.proposed if spec is not None else 0,
+            accepted_draft_tokens=spec.accepted if spec is not None else 0,
+        )
         return Done(stop_reason=reason, matched_stop=matched, usage=usage, timings=timings)
