@@ -236,3 +236,125 @@ def test_a_request_reading_from_disk_holds_no_one_up(lm, tmp_path, monkeypatch):
         done_waiting = list(waiting.iter_sync(timeout=TIMEOUT))[-1]
     assert isinstance(done_waiting, Done)
     assert done_waiting.usage.cached_tokens >= 0.95 * len(system)
+
+
+# ---------------------------------------------------------------- the tier alone
+
+
+def tier_and_pools(tmp: Path, dtype, block_size: int, heads: int, dim: int, num_blocks: int = 160):
+    """A DiskTier over three KV layers (one with other dims) and pools of random rows."""
+    import mlx.core as mx
+
+    from mlx_cairn.engine.disk import DiskTier
+    from mlx_cairn.models.base import LayerSpec
+
+    layers = [LayerSpec(heads, dim, dim), LayerSpec(0, 0, 0), LayerSpec(heads, dim, 2 * dim)]
+    tier = DiskTier(
+        tmp, budget_bytes=1 << 30, identity="t", block_size=block_size, dtype=dtype, layers=layers
+    )
+    pools = dataclasses.make_dataclass("Pools", ["k", "v"])(
+        k=[
+            mx.random.normal((num_blocks, block_size, heads, s.k_dim)).astype(dtype) for s in layers
+        ],
+        v=[
+            mx.random.normal((num_blocks, block_size, heads, s.v_dim)).astype(dtype) for s in layers
+        ],
+    )
+    return tier, pools
+
+
+def host(a) -> np.ndarray:
+    import mlx.core as mx
+
+    return np.asarray(a.view(mx.uint16) if a.dtype == mx.bfloat16 else a)
+
+
+@pytest.mark.parametrize(
+    ("dtype", "shape"),
+    [("float32", (16, 2, 64)), ("bfloat16", (16, 2, 64)), ("float16", (4, 1, 6))],
+    ids=["fp32-direct", "bf16-direct", "fp16-unaligned"],
+)
+def test_reads_across_files_and_from_inside_a_file_give_the_blocks_back(tmp_path, dtype, shape):
+    """Blocks written as several files (64 blocks each) read back exactly, whole
+    files and runs that start and end inside one, direct where the shapes allow."""
+    import mlx.core as mx
+
+    from mlx_cairn.engine.disk import FILE_BLOCKS, O_DIRECT
+
+    tier, pools = tier_and_pools(tmp_path, getattr(mx, dtype), *shape)
+    try:
+        # Direct reads need parts of whole sectors: 48-byte parts go through the page cache.
+        assert tier._direct == (bool(O_DIRECT) and dtype != "float16")
+        n = FILE_BLOCKS * 2 + 10
+        tier.capture([(b, 1000 + b) for b in range(n)], pools)
+        tier.flush()
+        assert tier.drain()
+        assert len(files(tmp_path)) == 3
+        for lo, hi in [(0, n), (5, 70), (64, 128), (130, n), (3, 4)]:
+            got = tier.read([1000 + b for b in range(lo, hi)]).result()
+            assert got.hashes == [1000 + b for b in range(lo, hi)]
+            for j, layer in enumerate(tier.kv_layers):
+                np.testing.assert_array_equal(got.arrays[2 * j], host(pools.k[layer][lo:hi]))
+                np.testing.assert_array_equal(got.arrays[2 * j + 1], host(pools.v[layer][lo:hi]))
+        assert tier.stats.corrupt_blocks == 0
+    finally:
+        tier.close()
+
+
+def test_a_file_system_without_direct_reads_falls_back_to_the_page_cache(tmp_path, monkeypatch):
+    import errno
+
+    import mlx.core as mx
+
+    from mlx_cairn.engine.disk import DiskTier
+
+    tier, pools = tier_and_pools(tmp_path, mx.float32, 16, 2, 64)
+    try:
+        assert tier._direct
+        tier.capture([(b, 7 + b) for b in range(20)], pools)
+        tier.flush()
+        assert tier.drain()
+        real = DiskTier._preadv
+        calls = []
+
+        def refuses_direct(self, fd, *args):
+            calls.append(self._direct)
+            if self._direct:
+                raise OSError(errno.EINVAL, "no direct reads here")
+            return real(self, fd, *args)
+
+        monkeypatch.setattr(DiskTier, "_preadv", refuses_direct)
+        got = tier.read([7 + b for b in range(20)]).result()
+        assert len(got.hashes) == 20 and calls == [True, False] and not tier._direct
+        np.testing.assert_array_equal(got.arrays[0], host(pools.k[0][:20]))
+    finally:
+        tier.close()
+
+
+def test_a_file_of_the_previous_format_is_a_clean_miss(tmp_path):
+    """Format 1 (block-major) files: removed at start-up, nothing read from them."""
+    import json
+    import struct
+
+    import mlx.core as mx
+
+    from mlx_cairn.engine.disk import MAGIC
+
+    tier, pools = tier_and_pools(tmp_path, mx.float32, 16, 2, 64)
+    tier.capture([(b, 50 + b) for b in range(8)], pools)
+    tier.flush()
+    assert tier.drain()
+    tier.close()
+    (path,) = files(tmp_path)
+    data = path.read_bytes()
+    (n,) = struct.unpack("<I", data[len(MAGIC) : len(MAGIC) + 4])
+    header = json.loads(data[len(MAGIC) + 4 : len(MAGIC) + 4 + n])
+    header["format"] = 1
+    raw = json.dumps(header).encode().ljust(n)
+    path.write_bytes(data[: len(MAGIC) + 4] + raw + data[len(MAGIC) + 4 + n :])
+    tier, _ = tier_and_pools(tmp_path, mx.float32, 16, 2, 64)
+    try:
+        assert tier.run_length([50 + b for b in range(8)], 0, 8) == 0
+        assert tier.stats.dropped_files == 1 and not path.exists()
+    finally:
+        tier.close()
