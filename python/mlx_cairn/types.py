@@ -38,6 +38,11 @@ MAX_REPETITION_PENALTY = 10.0
 MAX_LOGIT_BIAS = 100.0
 MAX_LOGIT_BIAS_ENTRIES = 1024
 MAX_TOP_LOGPROBS = 20
+#: Speculative decoding modes the engine and ``cairn serve`` take, and the most
+#: draft tokens per step and row by default (bench/bench_speculative.py) and at most.
+SPECULATIVE_MODES = ("ngram",)
+DEFAULT_NUM_SPECULATIVE = 8
+MAX_NUM_SPECULATIVE = 64
 StopReason = Literal["end_turn", "max_tokens", "stop_sequence", "tool_use"]
 
 

@@ -177,6 +177,17 @@ class _EngineCollector:
             "Prompt tokens skipped by restoring a state snapshot.",
             ["model"],
         )
+        spec = counter(
+            "cairn_speculative_tokens",
+            "Speculative decoding: draft tokens scored and accepted (accepted / draft = "
+            "the acceptance rate).",
+            ["model", "kind"],
+        )
+        spec_rows = counter(
+            "cairn_speculative_verify_rows",
+            "Verify rows run (one per request and step).",
+            ["model"],
+        )
         memory = gauge(
             "cairn_model_memory_bytes", "Weights + KV pool of a loaded model.", ["model"]
         )
@@ -220,6 +231,9 @@ class _EngineCollector:
             snaps.add_metric([name], float(st.state_snapshots))
             snap_bytes.add_metric([name], float(st.state_snapshot_bytes))
             snap_hits.add_metric([name], float(st.state_snapshot_hit_tokens))
+            spec.add_metric([name, "draft"], float(st.spec_draft_tokens))
+            spec.add_metric([name, "accepted"], float(st.spec_accepted_tokens))
+            spec_rows.add_metric([name], float(st.spec_verify_rows))
         yield from (loaded, queue, running, blocks, total, hits, generated, preempt, outcomes)
         yield from (
             snaps,
@@ -230,6 +244,8 @@ class _EngineCollector:
             disk_hits,
             disk_io,
             disk_s,
+            spec,
+            spec_rows,
         )
         yield from (memory, last_used, load_s, loads, unloads)
 

@@ -41,6 +41,7 @@ from mlx_cairn.api.state import (
     ServerConfig,
     cors_origin,
 )
+from mlx_cairn.types import DEFAULT_NUM_SPECULATIVE, MAX_NUM_SPECULATIVE, SPECULATIVE_MODES
 
 log = logging.getLogger("mlx_cairn.api")
 
@@ -82,6 +83,18 @@ def at_least(minimum: int) -> Callable[[str], int]:
         return value
 
     return parse
+
+
+def at_most(maximum: int, parse: Callable[[str], int]) -> Callable[[str], int]:
+    """``parse``, refusing values above ``maximum`` too."""
+
+    def bounded(text: str) -> int:
+        value = parse(text)
+        if value > maximum:
+            raise argparse.ArgumentTypeError(f"must be at most {maximum}, got {text}")
+        return value
+
+    return bounded
 
 
 def positive(text: str) -> float:
@@ -219,6 +232,8 @@ def build(
                 max_queue=args.max_queue,
                 kv_disk_dir=disk,
                 kv_disk_gb=getattr(args, "kv_disk_gb", None),
+                speculative=getattr(args, "speculative", None),
+                num_speculative_tokens=getattr(args, "num_speculative_tokens", None),
             )
         except ValueError as e:
             # The pool is sized from the model's shapes, so this is known only now;
@@ -466,6 +481,21 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=None,
         metavar="X",
         help="the most the disk tier's directory may hold, in GiB (default 16)",
+    )
+    p.add_argument(
+        "--speculative",
+        choices=SPECULATIVE_MODES,
+        default=None,
+        help="speculative decoding: 'ngram' proposes what followed the latest match of "
+        "the last tokens in the prompt and output (exact: greedy output is unchanged)",
+    )
+    p.add_argument(
+        "--num-speculative-tokens",
+        type=at_most(MAX_NUM_SPECULATIVE, at_least(1)),
+        default=None,
+        metavar="K",
+        help=f"most draft tokens per step and request, adapted to acceptance "
+        f"(default {DEFAULT_NUM_SPECULATIVE})",
     )
     p.add_argument(
         "--context-length",

@@ -50,14 +50,21 @@ from mlx_cairn.engine.runner import (
 )
 from mlx_cairn.engine.scheduler import Scheduler, StepPlan
 from mlx_cairn.engine.sequence import PreparedRequest, Sequence
-from mlx_cairn.engine.speculate import DEFAULT_NUM_SPECULATIVE, SPECULATIVE_MODES, RowSpec
+from mlx_cairn.engine.speculate import RowSpec
 from mlx_cairn.engine.state import DEFAULT_INTERVAL_BLOCKS, StateSlots
 from mlx_cairn.engine.stats import EngineStats
 from mlx_cairn.engine.stream import RequestStream
 from mlx_cairn.engine.update import RowResult, StateUpdate
 from mlx_cairn.errors import EngineError, QueueFull
 from mlx_cairn.kv import BlockPool, PrefixCache
-from mlx_cairn.types import ChatRequest, Error, Event
+from mlx_cairn.types import (
+    DEFAULT_NUM_SPECULATIVE,
+    MAX_NUM_SPECULATIVE,
+    SPECULATIVE_MODES,
+    ChatRequest,
+    Error,
+    Event,
+)
 
 log = logging.getLogger("mlx_cairn.engine")
 
@@ -107,7 +114,7 @@ class Engine:
             the model's distribution. Rows with logits processors, grammars or
             logprobs, and models with recurrent layers, decode without it.
         num_speculative_tokens: most draft tokens per step and row (default
-            :data:`~mlx_cairn.engine.speculate.DEFAULT_NUM_SPECULATIVE`), adapted
+            :data:`~mlx_cairn.types.DEFAULT_NUM_SPECULATIVE`), adapted
             per row to its acceptance.
     """
 
@@ -143,9 +150,13 @@ class Engine:
             )
         if num_speculative_tokens is None:
             num_speculative_tokens = DEFAULT_NUM_SPECULATIVE
-        if not isinstance(num_speculative_tokens, int) or not 0 <= num_speculative_tokens <= 64:
+        if (
+            not isinstance(num_speculative_tokens, int)
+            or not 0 <= num_speculative_tokens <= MAX_NUM_SPECULATIVE
+        ):
             raise ValueError(
-                f"num_speculative_tokens must be an integer in 0..64, got {num_speculative_tokens!r}"
+                f"num_speculative_tokens must be an integer in 0..{MAX_NUM_SPECULATIVE}, "
+                f"got {num_speculative_tokens!r}"
             )
         self.loaded = loaded_model
         model = loaded_model.model

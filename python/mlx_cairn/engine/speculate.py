@@ -38,8 +38,6 @@ import numpy as np
 from mlx_cairn.engine.sampler import filtered_probs, row_uniform
 from mlx_cairn.types import GREEDY_BELOW_TEMPERATURE, SamplingParams
 
-#: Default most draft tokens per verify row (bench/bench_speculative.py).
-DEFAULT_NUM_SPECULATIVE = 8
 #: Longest and shortest n-gram the prompt lookup matches.
 NGRAM_MAX = 24
 NGRAM_MIN = 2
@@ -48,8 +46,6 @@ PAUSE_TOKENS = 16
 PAUSE_MAX_TOKENS = 512
 #: The accept draws use a stream apart from the sampler's (keyed by the same seed).
 _ACCEPT_STREAM = 0x5EC0_11A7_E000_0001
-
-SPECULATIVE_MODES = ("ngram",)
 
 
 class NgramProposer:

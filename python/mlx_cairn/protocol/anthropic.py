@@ -39,6 +39,7 @@ from mlx_cairn.protocol.base import (
     is_int,
     required_model,
     short,
+    speculative_switch,
 )
 from mlx_cairn.protocol.sampling import read_sampling
 from mlx_cairn.types import (
@@ -141,6 +142,7 @@ def _parse(body: Any, *, max_tokens_limit: int, count_only: bool) -> AnthropicRe
         reasoning_budget=budget,
         parallel_tool_calls=parallel,
         output_format=output,
+        speculative=speculative_switch(body),
     )
     return AnthropicRequest(chat, model, stream, show_thinking, is_title)
 

@@ -33,7 +33,13 @@ from typing import Any
 import orjson
 
 from mlx_cairn.errors import error_kind
-from mlx_cairn.protocol.base import WireEvent, new_id, timings_body, tool_call_as_text
+from mlx_cairn.protocol.base import (
+    WireEvent,
+    new_id,
+    speculative_usage,
+    timings_body,
+    tool_call_as_text,
+)
 from mlx_cairn.protocol.sse import frame
 from mlx_cairn.types import (
     Admitted,
@@ -186,6 +192,7 @@ class AnthropicCodec:
             **_input_usage(done.usage.input_tokens or self.input_tokens, done.usage.cached_tokens),
             "output_tokens": done.usage.output_tokens,
             "timings": timings_body(done.timings),
+            **speculative_usage(done.usage),
         }
         delta = {"stop_reason": done.stop_reason, "stop_sequence": done.matched_stop}
         return ("message_delta", {"type": "message_delta", "delta": delta, "usage": usage})

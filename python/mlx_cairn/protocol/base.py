@@ -28,7 +28,7 @@ import orjson
 
 from mlx_cairn.errors import InvalidRequest
 from mlx_cairn.protocol.sse import frame
-from mlx_cairn.types import Event, Timings, ToolCall
+from mlx_cairn.types import Event, Timings, ToolCall, Usage
 
 #: One frame of a dialect's stream: (SSE event name or None, JSON payload or raw str).
 WireEvent = tuple[str | None, Any]
@@ -75,6 +75,25 @@ def timings_body(t: Timings) -> dict[str, float]:
         "prefill_tokens_per_s": round(t.prefill_tokens_per_s, 3),
         "decode_tokens_per_s": round(t.decode_tokens_per_s, 3),
     }
+
+
+def speculative_usage(u: Usage) -> dict[str, int]:
+    """Speculative decoding's figures, extra ``usage`` fields of every dialect: draft
+    tokens scored and accepted (none when the request did not speculate)."""
+    if not u.draft_tokens:
+        return {}
+    return {"draft_tokens": u.draft_tokens, "accepted_draft_tokens": u.accepted_draft_tokens}
+
+
+def speculative_switch(body: dict[str, Any]) -> bool | None:
+    """The extra field ``speculative`` (every dialect): ``false`` opts a request out of
+    the server's speculative decoding; absent or ``null``: the server's setting."""
+    v = body.get("speculative")
+    if v is None:
+        return None
+    if not isinstance(v, bool):
+        raise fail("speculative", "must be a boolean")
+    return v
 
 
 def tool_call_as_text(ev: ToolCall) -> str:

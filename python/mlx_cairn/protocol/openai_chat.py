@@ -52,7 +52,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from mlx_cairn.errors import InvalidRequest, error_kind
-from mlx_cairn.protocol.base import WireEvent, required_model, timings_body, tool_call_as_text
+from mlx_cairn.protocol.base import (
+    WireEvent,
+    required_model,
+    speculative_usage,
+    timings_body,
+    tool_call_as_text,
+)
 from mlx_cairn.protocol.openai_common import (
     CallIds,
     LogprobHold,
@@ -84,6 +90,7 @@ from mlx_cairn.types import (
     TokenLogprob,
     Tool,
     ToolCall,
+    Usage,
 )
 
 _TEXT_PARTS = ("text",)
@@ -384,11 +391,26 @@ class ChatCodec:
             "total_tokens": prompt + done.usage.output_tokens,
             "prompt_tokens_details": {"cached_tokens": done.usage.cached_tokens},
             "timings": timings_body(done.timings),
+            **_prediction_usage(done.usage),
         }
 
     def fold(self, wire: list[WireEvent]) -> dict[str, Any]:
         """The non-streaming ``chat.completion``: :func:`fold_chunks` over these chunks."""
         return fold_chunks(wire)
+
+
+def _prediction_usage(u: Usage) -> dict[str, Any]:
+    """Speculative decoding's figures: OpenAI's own predicted-output fields (accepted
+    and rejected draft tokens) and the extra ones every dialect has."""
+    extra = speculative_usage(u)
+    if not extra:
+        return {}
+    accepted = u.accepted_draft_tokens
+    details = {
+        "accepted_prediction_tokens": accepted,
+        "rejected_prediction_tokens": u.draft_tokens - accepted,
+    }
+    return {"completion_tokens_details": details, **extra}
 
 
 def _accumulate(acc: dict[str, Any], delta: dict[str, Any]) -> None:

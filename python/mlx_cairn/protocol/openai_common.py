@@ -30,6 +30,7 @@ from mlx_cairn.protocol.base import (
     is_int,
     new_id,
     short,
+    speculative_switch,
 )
 from mlx_cairn.types import (
     MAX_STOP_SEQUENCE_CHARS,
@@ -192,6 +193,7 @@ def chat_request(
         cache_salt=cache_salt(body),
         parallel_tool_calls=opt_bool(body, "parallel_tool_calls", True),
         output_format=output,
+        speculative=speculative_switch(body),
     )
 
 

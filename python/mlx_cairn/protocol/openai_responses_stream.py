@@ -41,7 +41,7 @@ from collections.abc import Callable
 from typing import Any
 
 from mlx_cairn.errors import error_kind
-from mlx_cairn.protocol.base import WireEvent, timings_body, tool_call_as_text
+from mlx_cairn.protocol.base import WireEvent, speculative_usage, timings_body, tool_call_as_text
 from mlx_cairn.protocol.openai_common import (
     CallIds,
     LogprobHold,
@@ -315,6 +315,7 @@ class ResponsesCodec:
             "output_tokens_details": {"reasoning_tokens": 0},
             "total_tokens": prompt + done.usage.output_tokens,
             "timings": timings_body(done.timings),
+            **speculative_usage(done.usage),
         }
         r["completed_at"] = int(time.time())
         if truncated:

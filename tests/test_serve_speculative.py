@@ -1,0 +1,156 @@
+"""``cairn serve --speculative ngram`` end to end: same text as without it, usage, opt-out.
+
+A real server process with speculative decoding serves a tiny random-weight
+Llama saved as an HF folder; the answers (OpenAI and Anthropic SDKs, streamed
+and not) equal what an engine without speculation writes, ``usage`` reports
+the draft tokens, ``"speculative": false`` opts a request out, and /metrics
+counts what was accepted.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import anthropic
+import httpx
+import openai
+import pytest
+
+from live_server import cairn_serve
+from mlx_cairn.engine import Engine
+from mlx_cairn.engine.testing import closing_at_rest
+from mlx_cairn.models import load
+from mlx_cairn.models.export import save_folder
+from mlx_cairn.models.testing import tiny_zoo_model
+from mlx_cairn.types import ChatRequest, Message, SamplingParams
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
+
+PROMPTS = [
+    "one two three four five six seven eight nine ten. one two three four five six",
+    "the cat sat on the mat; the cat sat on the mat; the cat sat on",
+    "def add(x, y):\n    return x + y\n\ndef add(x, y):\n    return x + y\n\ndef add(",
+]
+MAX_TOKENS = 32
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("spec") / "llama"
+    save_folder(tiny_zoo_model("llama", seed=5), path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def server(folder: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    log = tmp_path_factory.mktemp("log") / "serve.log"
+    args = ["--model", str(folder), "--speculative", "ngram", "--kv-cache-gb", "0.05"]
+    with cairn_serve([*args, "--log-level", "warning"], log) as (url, _):
+        yield url
+
+
+def plain_text(folder: Path, prompt: str) -> str:
+    """The engine's greedy answer without speculative decoding."""
+    lm = load(str(folder))
+    req = ChatRequest(
+        [Message("user", prompt)], max_tokens=MAX_TOKENS, sampling=SamplingParams(temperature=0.0)
+    )
+    with closing_at_rest(Engine(lm, num_blocks=64)) as engine:
+        s = engine.submit(req)
+        list(s.iter_sync(timeout=120))
+        ids = s.output_ids
+    if ids and ids[-1] in lm.eos_token_ids:
+        ids = ids[:-1]
+    return lm.tokenizer.decode(ids)
+
+
+def test_answers_equal_decoding_without_speculation(server: str, folder: Path) -> None:
+    oa = openai.OpenAI(base_url=server + "/v1", api_key="x", max_retries=0, timeout=120)
+    an = anthropic.Anthropic(base_url=server, api_key="x", max_retries=0, timeout=120)
+    drafted = accepted = 0
+    for prompt in PROMPTS:
+        want = plain_text(folder, prompt)
+        body: dict[str, Any] = dict(
+            model="llama",
+            messages=[{"role": "user", "content": prompt}],
+            max_tokens=MAX_TOKENS,
+            temperature=0,
+        )
+        whole = oa.chat.completions.create(**body)
+        assert whole.choices[0].message.content == want
+        chunks = oa.chat.completions.create(
+            **body, stream=True, stream_options={"include_usage": True}
+        )
+        parts, usage = [], None
+        for c in chunks:
+            parts.extend(ch.delta.content or "" for ch in c.choices)
+            usage = c.usage or usage
+        assert "".join(parts) == want
+        assert usage is not None and whole.usage is not None
+        same = ("completion_tokens", "completion_tokens_details")
+        assert {k: getattr(usage, k) for k in same} == {k: getattr(whole.usage, k) for k in same}
+        details = whole.usage.completion_tokens_details
+        extra = whole.usage.model_extra or {}
+        if details is not None:  # the request speculated
+            assert details.accepted_prediction_tokens == extra["accepted_draft_tokens"]
+            assert (
+                details.accepted_prediction_tokens + details.rejected_prediction_tokens
+                == extra["draft_tokens"]
+            )
+            drafted += extra["draft_tokens"]
+            accepted += extra["accepted_draft_tokens"]
+
+        kw: dict[str, Any] = dict(
+            model="llama",
+            max_tokens=MAX_TOKENS,
+            extra_body={"temperature": 0},
+            messages=[{"role": "user", "content": prompt}],
+        )
+        msg = an.messages.create(**kw)
+        with an.messages.stream(**kw) as stream:
+            final = stream.get_final_message()
+        text = "".join(b.text for b in msg.content if b.type == "text")
+        assert "".join(b.text for b in final.content if b.type == "text") == text
+        m_extra = msg.usage.model_extra or {}
+        assert m_extra.get("draft_tokens", 0) >= m_extra.get("accepted_draft_tokens", 0)
+    assert drafted > 0 and 0 < accepted <= drafted
+
+    metrics = httpx.get(server + "/metrics", timeout=30).text
+    lines = [x for x in metrics.splitlines() if x.startswith("cairn_speculative_tokens")]
+    got = {x.split('kind="')[1].split('"')[0]: float(x.rsplit(" ", 1)[1]) for x in lines}
+    assert got["draft"] >= drafted and 0 < got["accepted"] <= got["draft"]
+    health = httpx.get(server + "/health", timeout=30).json()
+    (entry,) = health["models"]
+    assert entry["stats"]["spec_accepted_tokens"] == got["accepted"]
+
+
+def test_opt_out_and_a_bad_value(server: str) -> None:
+    oa = openai.OpenAI(base_url=server + "/v1", api_key="x", max_retries=0, timeout=120)
+    out = oa.chat.completions.create(
+        model="llama",
+        messages=[{"role": "user", "content": PROMPTS[0]}],
+        max_tokens=MAX_TOKENS,
+        temperature=0,
+        extra_body={"speculative": False},
+    )
+    assert out.usage is not None and out.usage.completion_tokens_details is None
+    assert "draft_tokens" not in (out.usage.model_extra or {})
+    with pytest.raises(openai.BadRequestError) as e:
+        oa.chat.completions.create(
+            model="llama",
+            messages=[{"role": "user", "content": "hi"}],
+            max_tokens=4,
+            extra_body={"speculative": "yes"},
+        )
+    assert e.value.body["param"] == "speculative"  # type: ignore[index]
+    an = anthropic.Anthropic(base_url=server, api_key="x", max_retries=0, timeout=120)
+    with pytest.raises(anthropic.BadRequestError) as ae:
+        an.messages.create(
+            model="llama",
+            max_tokens=4,
+            messages=[{"role": "user", "content": "hi"}],
+            extra_body={"speculative": 1},
+        )
+    assert "speculative" in str(ae.value)
