@@ -28,14 +28,17 @@ PROMPTS = [
 ]
 
 
-@pytest.fixture(scope="module", params=["llama", "qwen3_5", "llama-ngram"])
+@pytest.fixture(scope="module", params=["llama", "qwen3_5", "llama-ngram", "llama-draft"])
 def case(request):
     # An attention model, a hybrid whose recurrent state lives in state slots, and
-    # the attention model with speculative decoding (verify rows and rollbacks).
+    # the attention model with speculative decoding (verify rows and rollbacks) by
+    # prompt lookup and by a draft model (its weights with noise: some drafts rejected).
     if request.param == "llama":
         return tiny_model("llama", seed=3), {}
     if request.param == "llama-ngram":
         return tiny_model("llama", seed=3), {"speculative": "ngram"}
+    if request.param == "llama-draft":
+        return tiny_model("llama", seed=3), {"draft_model": tiny_model("llama", seed=3, noise=0.05)}
     return tiny_zoo_model(request.param, seed=3), {}
 
 

@@ -142,6 +142,15 @@ def lm():
     return tiny_model("llama", seed=1)
 
 
+@pytest.fixture(scope="module", params=["ngram", "draft"])
+def spec(request):
+    """The engine's speculation: prompt lookup, or a draft model that agrees with the
+    model often but not always (its weights with noise)."""
+    if request.param == "ngram":
+        return {"speculative": "ngram"}
+    return {"draft_model": tiny_model("llama", seed=1, noise=0.05)}
+
+
 def greedy(text: str, max_tokens: int = 32, **kw) -> ChatRequest:
     return ChatRequest(
         [Message("user", text)], max_tokens=max_tokens, sampling=SamplingParams(0.0), **kw
@@ -167,9 +176,9 @@ def done(events: list) -> Done:
     return last
 
 
-def test_greedy_output_is_unchanged_batched_and_alone(lm):
+def test_greedy_output_is_unchanged_batched_and_alone(lm, spec):
     reqs = [greedy(p, 40) for p in PROMPTS]
-    with Engine(lm, speculative="ngram", max_batch=8) as eng:
+    with Engine(lm, **spec, max_batch=8) as eng:
         batched = run_all(eng, reqs)
         alone = [run_all(eng, [r])[0] for r in reqs]
         for r, b, a in zip(reqs, batched, alone, strict=True):
@@ -183,8 +192,8 @@ def test_greedy_output_is_unchanged_batched_and_alone(lm):
         assert st.spec_draft_tokens == proposed and st.spec_accepted_tokens == accepted
 
 
-def test_output_ids_match_the_reference_token_for_token(lm):
-    with Engine(lm, speculative="ngram", max_batch=4) as eng:
+def test_output_ids_match_the_reference_token_for_token(lm, spec):
+    with Engine(lm, **spec, max_batch=4) as eng:
         streams = [eng.submit(greedy(p, 40)) for p in PROMPTS]
         for s, p in zip(streams, PROMPTS, strict=True):
             list(s.iter_sync(timeout=TIMEOUT))
@@ -193,7 +202,7 @@ def test_output_ids_match_the_reference_token_for_token(lm):
         assert_at_rest(eng)
 
 
-def test_events_equal_without_speculation_with_stops_and_lengths(lm):
+def test_events_equal_without_speculation_with_stops_and_lengths(lm, spec):
     """Stop sequences and max_tokens cut an accepted run where decoding alone would."""
     reqs = []
     for p in PROMPTS:
@@ -202,7 +211,7 @@ def test_events_equal_without_speculation_with_stops_and_lengths(lm):
         stop = [text[len(text) // 2 : len(text) // 2 + 3]] if len(text) > 8 else []
         for n in (1, 7, 40):
             reqs.append(greedy(p, n, stop=stop))
-    with Engine(lm) as plain_eng, Engine(lm, speculative="ngram", max_batch=8) as spec_eng:
+    with Engine(lm) as plain_eng, Engine(lm, **spec, max_batch=8) as spec_eng:
         want = run_all(plain_eng, reqs)
         got = run_all(spec_eng, reqs)
         for w, g in zip(want, got, strict=True):
@@ -213,10 +222,10 @@ def test_events_equal_without_speculation_with_stops_and_lengths(lm):
         assert_at_rest(spec_eng)
 
 
-def test_rejected_positions_never_enter_the_prefix_cache(lm):
+def test_rejected_positions_never_enter_the_prefix_cache(lm, spec):
     """The next turn holds the whole first answer: its prefix hit reuses only blocks of
     accepted tokens (a rejected draft's KV in a cached block would change its output)."""
-    with Engine(lm, speculative="ngram", block_size=4) as eng:
+    with Engine(lm, **spec, block_size=4) as eng:
         for p in PROMPTS:
             first = eng.submit(greedy(p, 40))
             list(first.iter_sync(timeout=TIMEOUT))
@@ -234,9 +243,9 @@ def test_rejected_positions_never_enter_the_prefix_cache(lm):
         assert_at_rest(eng)
 
 
-def test_preemption_under_a_small_pool_keeps_outputs_exact(lm):
+def test_preemption_under_a_small_pool_keeps_outputs_exact(lm, spec):
     reqs = [greedy(p, 40) for p in PROMPTS] * 2
-    with Engine(lm, speculative="ngram", num_blocks=40, block_size=4, max_batch=8) as eng:
+    with Engine(lm, **spec, num_blocks=40, block_size=4, max_batch=8) as eng:
         streams = [eng.submit(r) for r in reqs]
         for s, r in zip(streams, reqs, strict=True):
             list(s.iter_sync(timeout=TIMEOUT))
@@ -245,8 +254,8 @@ def test_preemption_under_a_small_pool_keeps_outputs_exact(lm):
         assert st.spec_draft_tokens > 0
 
 
-def test_opt_out_and_ineligible_rows_do_not_speculate(lm):
-    with Engine(lm, speculative="ngram") as eng:
+def test_opt_out_and_ineligible_rows_do_not_speculate(lm, spec):
+    with Engine(lm, **spec) as eng:
         off = done(run_all(eng, [greedy(PROMPTS[2], 32, speculative=False)])[0])
         penalized = ChatRequest(
             [Message("user", PROMPTS[2])],
@@ -261,14 +270,14 @@ def test_opt_out_and_ineligible_rows_do_not_speculate(lm):
         assert done(run_all(eng, [greedy(PROMPTS[2], 32)])[0]).usage.draft_tokens == 0
 
 
-def test_sampled_rows_speculate_and_stay_seeded(lm):
+def test_sampled_rows_speculate_and_stay_seeded(lm, spec):
     """A sampled row's output depends on its seed, not on the batch around it."""
     req = ChatRequest(
         [Message("user", PROMPTS[2])],
         max_tokens=32,
         sampling=SamplingParams(temperature=0.8, seed=7),
     )
-    with Engine(lm, speculative="ngram", max_batch=8) as eng:
+    with Engine(lm, **spec, max_batch=8) as eng:
         alone = eng.submit(req)
         list(alone.iter_sync(timeout=TIMEOUT))
         streams = [eng.submit(req if i == 2 else greedy(p, 32)) for i, p in enumerate(PROMPTS)]
@@ -278,8 +287,8 @@ def test_sampled_rows_speculate_and_stay_seeded(lm):
         assert_at_rest(eng)
 
 
-def test_a_fault_in_a_verify_row_fails_that_request_only(lm):
-    with Engine(lm, speculative="ngram", max_batch=8) as eng:
+def test_a_fault_in_a_verify_row_fails_that_request_only(lm, spec):
+    with Engine(lm, **spec, max_batch=8) as eng:
         victim: list[int] = []
 
         def hook(phase, seq):
@@ -301,10 +310,10 @@ def test_a_fault_in_a_verify_row_fails_that_request_only(lm):
         assert_at_rest(eng)
 
 
-def test_a_lost_verify_step_is_recomputed(lm):
+def test_a_lost_verify_step_is_recomputed(lm, spec):
     """A step that fails on the device loses its verify rows' drafts: the rows feed
     their last known token again and finish with the reference output."""
-    with Engine(lm, speculative="ngram", max_batch=8) as eng:
+    with Engine(lm, **spec, max_batch=8) as eng:
         runner = eng._runner
         real = runner.read
         failed: list[bool] = []
@@ -328,8 +337,33 @@ def test_a_lost_verify_step_is_recomputed(lm):
         assert_at_rest(eng)
 
 
-def test_bad_settings_are_refused(lm):
+def test_bad_settings_are_refused(lm, spec):
     with pytest.raises(ValueError, match="speculative"):
         Engine(lm, speculative="medusa")
     with pytest.raises(ValueError, match="num_speculative_tokens"):
-        Engine(lm, speculative="ngram", num_speculative_tokens=-1)
+        Engine(lm, **spec, num_speculative_tokens=-1)
+
+
+def test_a_draft_model_that_always_agrees_has_every_draft_accepted(lm):
+    with Engine(lm, draft_model=tiny_model("llama", seed=1), max_batch=4) as eng:
+        for d in [done(e) for e in run_all(eng, [greedy(p, 32) for p in PROMPTS])]:
+            assert d.usage.draft_tokens > 0
+            assert d.usage.accepted_draft_tokens == d.usage.draft_tokens
+        assert_at_rest(eng)
+
+
+def test_a_draft_model_that_never_agrees_changes_nothing(lm):
+    with Engine(lm, draft_model=tiny_model("llama", seed=2), max_batch=4) as eng:
+        streams = [eng.submit(greedy(p, 32)) for p in PROMPTS]
+        for s, p in zip(streams, PROMPTS, strict=True):
+            list(s.iter_sync(timeout=TIMEOUT))
+            assert s.output_ids == greedy_reference(lm, eng.prepare(greedy(p, 32)).prompt_ids, 32)
+        assert_at_rest(eng)
+
+
+@pytest.mark.slow
+def test_a_draft_model_must_share_the_vocabulary(lm, default_model):
+    with pytest.raises(ValueError, match="same tokenizer"):
+        Engine(lm, draft_model=default_model)
+    with pytest.raises(ValueError, match="pick one"):
+        Engine(lm, speculative="ngram", draft_model=lm)

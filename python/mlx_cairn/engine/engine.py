@@ -39,6 +39,7 @@ from mlx_cairn import constrain
 from mlx_cairn.constrain import GrammarMask
 from mlx_cairn.engine import prepare as _prep
 from mlx_cairn.engine.disk import DiskTier, stable_seed
+from mlx_cairn.engine.draft import DraftModel, same_vocabulary
 from mlx_cairn.engine.logits import masks_for
 from mlx_cairn.engine.paged import KVPools, LayerSpec, pool_blocks
 from mlx_cairn.engine.runner import (
@@ -113,6 +114,9 @@ class Engine:
             (engine/speculate.py); greedy output is unchanged, sampled output keeps
             the model's distribution. Rows with logits processors, grammars or
             logprobs, and models with recurrent layers, decode without it.
+        draft_model: a ``LoadedModel`` with the same tokenizer that proposes the
+            drafts instead (engine/draft.py), on KV pools of its own that share the
+            model's block tables (their memory comes out of the KV budget).
         num_speculative_tokens: most draft tokens per step and row (default
             :data:`~mlx_cairn.types.DEFAULT_NUM_SPECULATIVE`), adapted
             per row to its acceptance.
@@ -135,6 +139,7 @@ class Engine:
         kv_disk_gb: float | None = None,
         speculative: str | None = None,
         num_speculative_tokens: int | None = None,
+        draft_model: Any = None,
     ) -> None:
         for name, val in (
             ("block_size", block_size),
@@ -144,6 +149,8 @@ class Engine:
         ):
             if not isinstance(val, int) or val < 1:
                 raise ValueError(f"{name} must be a positive integer, got {val!r}")
+        if draft_model is not None and speculative is not None:
+            raise ValueError("speculative and draft_model are two ways to speculate: pick one")
         if speculative is not None and speculative not in SPECULATIVE_MODES:
             raise ValueError(
                 f"speculative must be one of {', '.join(SPECULATIVE_MODES)}, got {speculative!r}"
@@ -162,14 +169,11 @@ class Engine:
         model = loaded_model.model
         if kv_dtype is None:
             kv_dtype = mx.float32 if mx.default_device() == mx.cpu else model.dtype
-        # Per-layer pools (DESIGN.md §4): mlx-lm models give their layers' KV
-        # shapes and windows; a uniform model gives one shape for all layers.
-        layer_specs = (
-            getattr(model, "layer_specs", None)
-            or [LayerSpec(model.num_kv_heads, model.head_dim, model.head_dim)] * model.num_layers
-        )
+        layer_specs = _layer_specs(model)
         per_block = KVPools.block_bytes(layer_specs, block_size, kv_dtype.size)
         slot_bytes = KVPools.slot_bytes(layer_specs)
+        draft_specs = _draft_specs(loaded_model, draft_model) if draft_model is not None else []
+        per_block += KVPools.block_bytes(draft_specs, block_size, kv_dtype.size)
         states: StateSlots | None = None
         if slot_bytes:
             if state_snapshots is None:
@@ -202,9 +206,10 @@ class Engine:
         )
         self.block_size = block_size
         self.max_queue = max_queue
+        speculates = speculative is not None or draft_model is not None
         #: Most draft tokens per row and step (0: no speculative decoding).
-        self._spec_k = num_speculative_tokens if speculative is not None and not slot_bytes else 0
-        if speculative is not None and slot_bytes:
+        self._spec_k = num_speculative_tokens if speculates and not slot_bytes else 0
+        if speculates and slot_bytes:
             log.warning("speculative decoding is off: the model has recurrent layers")
         self.context_length = int(loaded_model.context_length)
         self._pools = KVPools(
@@ -251,6 +256,18 @@ class Engine:
                 )
         _materialize(model)
         self._runner = ModelRunner(model, self._pools)
+        self._drafter: DraftModel | None = None
+        if draft_model is not None and self._spec_k:
+            _materialize(draft_model.model)
+            self._drafter = DraftModel(
+                draft_model,
+                KVPools(
+                    layers=draft_specs,
+                    num_blocks=num_blocks,
+                    block_size=block_size,
+                    dtype=kv_dtype,
+                ),
+            )
         self._eos = frozenset(int(t) for t in loaded_model.eos_token_ids)
         #: Test hook: called on the engine thread before each step's forward pass;
         #: an exception fails that step's requests only.
@@ -330,7 +347,7 @@ class Engine:
                 arrival=rid,
             )
             if self._spec_k and _speculates(prepared):
-                seq.spec = RowSpec(self._spec_k)
+                seq.spec = RowSpec(self._spec_k, by_model=self._drafter is not None)
             if prepared.grammar is not None:
                 seq.row_masks.append(
                     GrammarMask(
@@ -452,6 +469,8 @@ class Engine:
         plan = self._scheduler.schedule(self._row_check("schedule"))
         for seq, err in plan.failed:
             up.fail(seq, "scheduled", err)
+        if self._drafter is not None and plan.verify:
+            plan = self._fill_drafts(plan)
         launched: StepOutput | None = None
         if plan:
             up.admitted(plan, time.perf_counter())
@@ -482,6 +501,23 @@ class Engine:
             self._disk.flush()
         if launched is not None and launched.deferred and self._inflight is launched:
             self._inflight = self._sample_deferred(launched)
+
+    def _fill_drafts(self, plan: StepPlan) -> StepPlan:
+        """The draft model proposes the planned verify rows' drafts (engine/draft.py);
+        if it fails, those rows decode one token instead (the model's own output
+        never depends on the drafts)."""
+        assert self._drafter is not None
+        rows = list(plan.verify)
+        try:
+            drafts = self._drafter.propose(rows)
+        except Exception as e:
+            log.warning("the draft model failed (%s); decoding without drafts this step", e)
+            with contextlib.suppress(Exception):
+                mx.eval(self._drafter.pools.arrays())
+            plain = tuple(replace(r, n=1, draft=()) for r in rows)
+            return replace(plan, decode=(*plan.decode, *plain), verify=())
+        verify = tuple(replace(r, draft=d) for r, d in zip(rows, drafts, strict=True))
+        return replace(plan, verify=verify)
 
     def _sample_deferred(self, out: StepOutput) -> StepOutput:
         """Sample the rows of ``out`` that waited for their last token (now applied).
@@ -750,6 +786,29 @@ class Engine:
             )
         with self._lock:
             self._stats = snap
+
+
+def _layer_specs(model: Any) -> list[LayerSpec]:
+    """A model's per-layer KV specs (DESIGN.md §4): mlx-lm models give their layers'
+    shapes and windows; a uniform model gives one shape for all layers."""
+    specs = getattr(model, "layer_specs", None)
+    if specs:
+        return list(specs)
+    return [LayerSpec(model.num_kv_heads, model.head_dim, model.head_dim)] * model.num_layers
+
+
+def _draft_specs(loaded: Any, draft: Any) -> list[LayerSpec]:
+    """The draft model's per-layer KV specs; refuses a draft that cannot propose for
+    ``loaded`` (another vocabulary, or recurrent layers)."""
+    if not same_vocabulary(loaded, draft):
+        raise ValueError(
+            f"the draft model {draft.name} has another vocabulary than {loaded.name}: "
+            "a draft model must use the same tokenizer"
+        )
+    specs = _layer_specs(draft.model)
+    if KVPools.slot_bytes(specs):
+        raise ValueError(f"the draft model {draft.name} has recurrent layers: not supported")
+    return list(specs)
 
 
 def _speculates(prepared: PreparedRequest) -> bool:

@@ -389,6 +389,8 @@ class Scheduler:
             self.states.hit_tokens += computed
         seq.block_ids = hit + list(new)
         seq.num_computed = computed
+        if seq.spec is not None:  # a draft model's KV: trusted as far as the hit goes
+            seq.spec.draft_computed = min(seq.spec.draft_computed, computed)
         seq.num_registered = len(hit)
         if seq.cached_tokens < 0:  # first admission: this is the real prefix hit
             seq.cached_tokens = min(computed, seq.num_prompt)

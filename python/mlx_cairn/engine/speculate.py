@@ -44,6 +44,8 @@ NGRAM_MIN = 2
 #: Pause (tokens) after a row's proposals stop paying, doubled each time, up to the cap.
 PAUSE_TOKENS = 16
 PAUSE_MAX_TOKENS = 512
+#: A draft slot a draft model fills in before the step runs (engine/draft.py).
+DRAFT_SLOT = -1
 #: The accept draws use a stream apart from the sampler's (keyed by the same seed).
 _ACCEPT_STREAM = 0x5EC0_11A7_E000_0001
 
@@ -110,6 +112,10 @@ class NgramProposer:
 class RowSpec:
     """A sequence's speculation: its proposer, adaptive K, and its counters.
 
+    With ``by_model`` a draft model proposes (engine/draft.py): :meth:`propose`
+    gives K :data:`DRAFT_SLOT` placeholders, filled in before the step runs, and
+    ``draft_computed`` counts the leading positions whose draft KV is right.
+
     K starts at ``k_max``; after a verify it becomes one more than what was
     accepted (so a long accepted run keeps K up, a miss brings it down fast).
     Two verifies in a row with nothing accepted pause proposals for
@@ -122,6 +128,7 @@ class RowSpec:
         "_pause",
         "_pause_len",
         "accepted",
+        "draft_computed",
         "k",
         "k_max",
         "proposed",
@@ -130,10 +137,13 @@ class RowSpec:
         "wants",
     )
 
-    def __init__(self, k_max: int) -> None:
+    def __init__(self, k_max: int, *, by_model: bool = False) -> None:
         self.k_max = k_max
         self.k = k_max
-        self.proposer = NgramProposer()
+        self.proposer = None if by_model else NgramProposer()
+        #: Positions of the draft model's KV that hold the right tokens (the
+        #: scheduler lowers it to a prefix hit at admission).
+        self.draft_computed = 1 << 62
         self.proposed = 0
         self.accepted = 0
         self.verifies = 0
@@ -148,6 +158,8 @@ class RowSpec:
         """The draft for the token after ``tokens`` (at most ``limit`` tokens; may be empty)."""
         if self._pause > 0:
             return []
+        if self.proposer is None:
+            return [DRAFT_SLOT] * min(self.k, limit)
         draft = self.proposer.propose(tokens, min(self.k, limit))
         self.wants = bool(draft)
         return draft
@@ -160,7 +172,7 @@ class RowSpec:
             self.wants = False
             if self._pause > 0:
                 return
-        self.wants = bool(self.proposer.propose(tokens, 1))
+        self.wants = self.proposer is None or bool(self.proposer.propose(tokens, 1))
 
     def record(self, proposed: int, accepted: int) -> None:
         """A verify of ``proposed`` draft tokens accepted ``accepted`` of them."""

@@ -227,6 +227,8 @@ class StateUpdate:
         """A verify row's result is lost: its last known token is pending again."""
         seq.verifying = False
         seq.num_computed = min(seq.num_computed, len(seq.tokens) - 1)
+        if seq.spec is not None:
+            seq.spec.draft_computed = min(seq.spec.draft_computed, len(seq.tokens))
         self.scheduler.trim(seq)
 
     def _recompute_state(self, seq: Sequence) -> None:
@@ -287,6 +289,8 @@ class StateUpdate:
         self.draft_proposed += len(r.draft)
         self.draft_accepted += accepted
         start = len(seq.tokens)
+        if spec is not None:  # a draft model's KV is right up to the accepted drafts
+            spec.draft_computed = min(spec.draft_computed, start + accepted)
         end = seq.num_computed  # past the draft (0 if it was preempted meanwhile)
         for token in tokens:
             seq.tokens.append(token)

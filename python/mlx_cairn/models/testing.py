@@ -115,11 +115,25 @@ def random_weights(model: nn.Module, seed: int) -> None:
     mx.eval(model.parameters())
 
 
-def tiny_model(arch: Arch = "llama", seed: int = 0) -> LoadedModel:
-    """A random-weight ``arch`` model with a real tokenizer and chat template."""
+def tiny_model(arch: Arch = "llama", seed: int = 0, *, noise: float = 0.0) -> LoadedModel:
+    """A random-weight ``arch`` model with a real tokenizer and chat template.
+
+    ``noise``: gaussian noise of that relative size on its matrices (a draft model
+    for the model of the same seed that agrees with it often, not always)."""
     args = tiny_args(arch)
     model = LlamaModel(args)
     random_weights(model, seed)
+    if noise:
+        rng = np.random.default_rng(seed + 1)
+        flat = tree_flatten(model.parameters())
+        noisy = [
+            (k, w + noise * float(w.std()) * mx.array(rng.standard_normal(w.shape), mx.float32))
+            if w.ndim == 2
+            else (k, w)
+            for k, w in flat
+        ]
+        model.update(tree_unflatten(noisy))
+        mx.eval(model.parameters())
     tok = tiny_tokenizer()
     eos = {
         i
@@ -133,7 +147,7 @@ def tiny_model(arch: Arch = "llama", seed: int = 0) -> LoadedModel:
         template_source=CHATML if arch == "llama" else QWEN3,
         eos_token_ids=eos,
         context_length=args.max_position_embeddings,
-        identity=f"tiny-{arch}-seed{seed}:float32",
+        identity=f"tiny-{arch}-seed{seed}{f'-noise{noise}' if noise else ''}:float32",
         source_format="memory",
     )
 
