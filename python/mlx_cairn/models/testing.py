@@ -125,7 +125,7 @@ def tiny_model(arch: Arch = "llama", seed: int = 0, *, noise: float = 0.0) -> Lo
     random_weights(model, seed)
     if noise:
         rng = np.random.default_rng(seed + 1)
-        flat = tree_flatten(model.parameters())
+        flat: list[tuple[str, mx.array]] = tree_flatten(model.parameters())  # type: ignore[assignment]
         noisy = [
             (k, w + noise * float(w.std()) * mx.array(rng.standard_normal(w.shape), mx.float32))
             if w.ndim == 2
