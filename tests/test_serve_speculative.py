@@ -126,6 +126,25 @@ def test_answers_equal_decoding_without_speculation(server: str, folder: Path) -
     assert entry["stats"]["spec_accepted_tokens"] == got["accepted"]
 
 
+def test_a_draft_model_serves_the_same_text(folder: Path, tmp_path: Path) -> None:
+    """``--draft-model``: the model itself as its draft accepts every draft."""
+    args = ["--model", str(folder), "--draft-model", str(folder), "--kv-cache-gb", "0.05"]
+    with cairn_serve([*args, "--log-level", "warning"], tmp_path / "serve.log") as (url, _):
+        oa = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0, timeout=120)
+        for prompt in PROMPTS[:2]:
+            out = oa.chat.completions.create(
+                model="llama",
+                messages=[{"role": "user", "content": prompt}],
+                max_tokens=MAX_TOKENS,
+                temperature=0,
+            )
+            assert out.choices[0].message.content == plain_text(folder, prompt)
+            assert out.usage is not None
+            details = out.usage.completion_tokens_details
+            assert details is not None and details.accepted_prediction_tokens
+            assert details.rejected_prediction_tokens == 0
+
+
 def test_opt_out_and_a_bad_value(server: str) -> None:
     oa = openai.OpenAI(base_url=server + "/v1", api_key="x", max_retries=0, timeout=120)
     out = oa.chat.completions.create(

@@ -166,3 +166,13 @@ def test_build_checks_a_namespace_made_in_code():
         setattr(ns, flag, value)
         with pytest.raises(ServeError, match="--" + flag.replace("_", "-")):
             build(ns, {})
+
+
+def test_speculative_flags():
+    with pytest.raises(ServeError, match="pick one"):
+        build(args("--speculative", "ngram", "--draft-model", "some/model"), {})
+    for bad in (["--speculative", "medusa"], ["--num-speculative-tokens", "0"]):
+        with pytest.raises(SystemExit):
+            args(*bad)
+    ns = args("--speculative", "ngram", "--num-speculative-tokens", "4")
+    assert (ns.speculative, ns.num_speculative_tokens, ns.draft_model) == ("ngram", 4, None)

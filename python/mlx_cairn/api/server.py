@@ -215,9 +215,25 @@ def build(
         if not math.isfinite(value) or value < low or (value == low and not inclusive):
             bound = f"at least {low}" if inclusive else f"above {low}"
             raise ServeError(f"{flag} must be {bound}, got {value}")
+    if getattr(args, "speculative", None) and getattr(args, "draft_model", None):
+        raise ServeError("--speculative and --draft-model are two ways to speculate: pick one")
     max_body_bytes = int(args.max_body_mb * 1024 * 1024)
     if max_body_bytes < 1:
         raise ServeError(f"--max-body-mb {args.max_body_mb:g} allows no body at all")
+
+    draft_source = getattr(args, "draft_model", None)
+    drafts: list[Any] = []  # the draft model, loaded once for every model that needs it
+    draft_lock = threading.Lock()
+
+    def draft_model() -> Any:
+        if draft_source is None:
+            return None
+        with draft_lock:
+            if not drafts:
+                from mlx_cairn.models import load
+
+                drafts.append(load(draft_source))
+            return drafts[0]
 
     def engine_factory(loaded: Any) -> object:
         from mlx_cairn.engine import Engine
@@ -234,6 +250,7 @@ def build(
                 kv_disk_gb=getattr(args, "kv_disk_gb", None),
                 speculative=getattr(args, "speculative", None),
                 num_speculative_tokens=getattr(args, "num_speculative_tokens", None),
+                draft_model=draft_model(),
             )
         except ValueError as e:
             # The pool is sized from the model's shapes, so this is known only now;
@@ -488,6 +505,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=None,
         help="speculative decoding: 'ngram' proposes what followed the latest match of "
         "the last tokens in the prompt and output (exact: greedy output is unchanged)",
+    )
+    p.add_argument(
+        "--draft-model",
+        default=None,
+        metavar="PATH_OR_NAME",
+        help="speculative decoding with a draft model: a small model with the same "
+        "tokenizer (a folder, a GGUF file or a hub name) proposes, the model verifies",
     )
     p.add_argument(
         "--num-speculative-tokens",
