@@ -358,3 +358,28 @@ def test_a_file_of_the_previous_format_is_a_clean_miss(tmp_path):
         assert tier.stats.dropped_files == 1 and not path.exists()
     finally:
         tier.close()
+
+
+@pytest.mark.parametrize("preadv", [True, False], ids=["preadv", "seek-readv"])
+def test_a_read_in_several_vectored_pieces_gives_the_blocks_back(tmp_path, monkeypatch, preadv):
+    import os
+
+    import mlx.core as mx
+
+    from mlx_cairn.engine import disk
+
+    monkeypatch.setattr(disk, "IOV_MAX", 3)  # 6 parts: two vectored reads per file
+    if not preadv:
+        monkeypatch.delattr(os, "preadv", raising=False)
+    tier, pools = tier_and_pools(tmp_path, mx.float32, 16, 2, 64)
+    try:
+        tier.capture([(b, 9 + b) for b in range(70)], pools)
+        tier.flush()
+        assert tier.drain()
+        for lo, hi in [(0, 70), (10, 20)]:
+            got = tier.read([9 + b for b in range(lo, hi)]).result()
+            assert len(got.hashes) == hi - lo
+            for j, layer in enumerate(tier.kv_layers):
+                np.testing.assert_array_equal(got.arrays[2 * j + 1], host(pools.v[layer][lo:hi]))
+    finally:
+        tier.close()

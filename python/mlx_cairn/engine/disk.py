@@ -101,6 +101,19 @@ def _aligned(nbytes: int) -> np.ndarray:
     return raw[at : at + nbytes]
 
 
+#: Buffers in one vectored read (the POSIX minimum of IOV_MAX is 16; Linux and macOS
+#: take 1024).
+IOV_MAX = 512
+
+
+def _read_at(fd: int, dests: list[memoryview], offset: int) -> int:
+    """``preadv``; where it is missing, seek and ``readv`` (each read has its own fd)."""
+    if hasattr(os, "preadv"):
+        return os.preadv(fd, dests, offset)
+    os.lseek(fd, offset, os.SEEK_SET)
+    return os.readv(fd, dests)
+
+
 def _np_dtype(dtype: mx.Dtype) -> np.dtype[Any]:
     if dtype == mx.float32:
         return np.dtype(np.float32)
@@ -501,9 +514,12 @@ class DiskTier:
         self, fd: int, dests: list[memoryview], base: int, n: int, first: int, m: int
     ) -> int:
         if m == n:  # the whole payload: one range of the file, scattered over the parts
-            return os.preadv(fd, dests, base)
+            got = 0
+            for i in range(0, len(dests), IOV_MAX):
+                got += _read_at(fd, dests[i : i + IOV_MAX], base + got)
+            return got
         return sum(
-            os.preadv(fd, [d], base + n * before + first * pb)
+            _read_at(fd, [d], base + n * before + first * pb)
             for (_, pb, before), d in zip(self._parts, dests, strict=True)
         )
 
