@@ -13,7 +13,7 @@ and registered, and the request is admitted as a prefix hit::
 
 Files (one per batch of blocks, ``<dir>/<model key>/<n>.kvb``)::
 
-    MAGIC | u32 header length | header (JSON) | payload: block 0 | block 1 | ...
+    MAGIC | u32 header length | header (JSON) | payload (below)
     header: format version, model key (identity, block size, dtype, layer
             shapes), block bytes, per block its chain hash and CRC-32C;
             padded with spaces so that the payload starts at a 4 KiB boundary
@@ -32,9 +32,9 @@ range, scattered over the parts) straight into one buffer that every layer's
 arrays view, with no copy after it. Where the platform and the shapes allow,
 reads are direct (``O_DIRECT``: no page cache, no copy through it, the whole
 range in flight at once); CRC-32C (google-crc32c, in hardware) checks them.
-Writes go to a temp file
-that is renamed into place, so a crash leaves only whole files (and stray
-temp files, removed at start-up). A file whose header does not parse or
+
+Writes go to a temp file that is renamed into place, so a crash leaves only
+whole files (and stray temp files, removed at start-up). A file whose header does not parse or
 belongs to another model, format or shape is removed when found; a block
 whose CRC does not match is a miss. So no damaged or foreign file can give a
 wrong answer. Hashes survive a restart because the engine seeds the chain
@@ -145,7 +145,8 @@ class _Staged:
 @dataclass
 class Loaded:
     """Blocks read back for one request: per KV layer its K then its V rows,
-    ``[len(hashes), block_size, kv_heads, dim]`` each."""
+    ``[len(hashes), block_size, kv_heads, dim]`` each (contiguous views of one
+    buffer: ``mx.array`` of each is a plain copy)."""
 
     hashes: list[int]
     arrays: list[np.ndarray] = field(default_factory=list)
