@@ -245,6 +245,8 @@ class DiskTier:
         #: The reader's file reads, in parallel (they wait on the disk, not the GIL).
         self._io = ThreadPoolExecutor(READERS, thread_name_prefix="cairn-kv-io")
         self._direct = bool(O_DIRECT) and all(pb % 512 == 0 for _, pb, _ in self._parts)
+        if google_crc32c.implementation != "c":  # no wheel for this platform: pure Python
+            log.warning("kv disk tier: google-crc32c has no C build here; reads will be slow")
 
     # ------------------------------------------------------------ start-up
 
