@@ -3,6 +3,8 @@
 One step is built as a single lazy MLX graph and queued with ``mx.async_eval``::
 
     decode rows  (B x 1 tokens, ragged contexts)   -> logits [B, vocab]
+    + verify rows (1 + draft tokens each, in the    -> logits at every fed token,
+      same call, decode rows padded)                  speculate.verify -> tokens
     prefill chunk per sequence (1 x n tokens)      -> logits [1, vocab] if it is the
                                                       sequence's last pending chunk
     logits processors (penalties, bias, masks)     -> logits [R, vocab], R sampling rows
@@ -81,32 +83,48 @@ class ModelRunner:
         """Build and queue ``plan``'s graph (``mx.async_eval``); nothing is waited for."""
         rows: list[RowPlan] = []
         parts: list[mx.array] = []
-        if plan.decode:
-            dec = plan.decode
-            tokens = mx.stack([_token_at(r) for r in dec])[:, None]
+        verify_logits: mx.array | None = None
+        if plan.decode or plan.verify:
+            # Decode and verify rows share one forward call (one read of the weights):
+            # a decode row is a verify row without a draft, padded to the widest.
+            dec, ver = plan.decode, plan.verify
+            both = (*dec, *ver)
+            width = max(r.n for r in both)
+            tokens = mx.stack([_token_at(r) for r in both])[:, None]
+            if width > 1:
+                drafts = [[*r.draft, *[0] * (width - r.n)] for r in both]
+                tokens = mx.concatenate([tokens, mx.array(drafts, dtype=mx.int32)], axis=1)
             cache = PagedKVCache(
                 self.pools,
-                [list(r.block_ids) for r in dec],
-                [r.start for r in dec],
-                1,
-                self._state_slots(dec),
+                [list(r.block_ids) for r in both],
+                [r.start for r in both],
+                [r.n for r in both] if width > 1 else 1,
+                self._state_slots(both),
             )
             h = self.model(tokens, cache)
             cache.commit()
-            parts.append(self.model.logits(h[:, -1, :]))
+            if not ver:
+                parts.append(self.model.logits(h[:, -1, :]))
+            else:
+                at = [(b, 0) for b in range(len(dec))]
+                at += [(len(dec) + i, j) for i, r in enumerate(ver) for j in range(r.n)]
+                picked = h[
+                    mx.array([b for b, _ in at], dtype=mx.int32),
+                    mx.array([j for _, j in at], dtype=mx.int32),
+                    :,
+                ]
+                logits = self.model.logits(picked)
+                if dec:
+                    parts.append(logits[: len(dec)])
+                verify_logits = logits[len(dec) :]
             rows.extend(dec)
-        verify_rows: list[speculate.VerifyRow] = []
-        verify_plans: list[RowPlan] = []
-        verify_logits: list[mx.array] = []
-        chunks = [*plan.prefill, *plan.verify]
-        for group in _prefill_groups(chunks, ragged=not self.pools.has_state):
+        for group in _prefill_groups(list(plan.prefill), ragged=not self.pools.has_state):
             width = max(r.n for r in group)
             ids = []
             for r in group:
                 if r.placeholder:
                     raise RuntimeError("a prefill chunk cannot include a token in flight")
-                fed = r.seq.tokens[r.start : r.start + r.n - len(r.draft)] + list(r.draft)
-                ids.append(fed + [0] * (width - r.n))
+                ids.append(r.seq.tokens[r.start : r.start + r.n] + [0] * (width - r.n))
             cache = PagedKVCache(
                 self.pools,
                 [list(r.block_ids) for r in group],
@@ -116,32 +134,23 @@ class ModelRunner:
             )
             h = self.model(mx.array(ids, dtype=mx.int32), cache)
             cache.commit()
-            last = [(b, r.n - 1) for b, r in enumerate(group) if r.samples and not r.draft]
-            scored = [(b, j) for b, r in enumerate(group) if r.draft for j in range(r.n)]
-            if scored:
-                offset = sum(1 + len(v.draft) for v in verify_rows)
-                for r in group:
-                    if r.draft:
-                        verify_rows.append(
-                            speculate.VerifyRow(
-                                offset, r.draft, r.seq.prepared.sampling, r.out_index
-                            )
-                        )
-                        verify_plans.append(r)
-                        offset += r.n
-                rows_idx = mx.array([b for b, _ in scored], dtype=mx.int32)
-                cols_idx = mx.array([j for _, j in scored], dtype=mx.int32)
-                verify_logits.append(self.model.logits(h[rows_idx, cols_idx, :]))
+            last = [(b, r.n - 1) for b, r in enumerate(group) if r.samples]
             if last:
                 rows_idx = mx.array([b for b, _ in last], dtype=mx.int32)
                 cols_idx = mx.array([c for _, c in last], dtype=mx.int32)
                 parts.append(self.model.logits(h[rows_idx, cols_idx, :]))
                 rows.extend(group[b] for b, _ in last)
         verified: list[tuple[tuple[RowPlan, ...], mx.array, mx.array]] = []
-        if verify_rows:
-            logits = verify_logits[0] if len(verify_logits) == 1 else mx.concatenate(verify_logits)
-            tokens_v, counts_v = speculate.verify(logits, verify_rows)
-            verified.append((tuple(verify_plans), tokens_v, counts_v))
+        if verify_logits is not None:
+            offsets = [0]
+            for r in plan.verify:
+                offsets.append(offsets[-1] + r.n)
+            verify_rows = [
+                speculate.VerifyRow(off, r.draft, r.seq.prepared.sampling, r.out_index)
+                for off, r in zip(offsets, plan.verify, strict=False)
+            ]
+            tokens_v, counts_v = speculate.verify(verify_logits, verify_rows)
+            verified.append((plan.verify, tokens_v, counts_v))
             mx.async_eval(tokens_v, counts_v)
         if not rows:
             mx.async_eval(self.pools.arrays())

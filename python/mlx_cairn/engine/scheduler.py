@@ -42,6 +42,11 @@ from typing import Any
 from mlx_cairn.engine.sequence import Sequence
 from mlx_cairn.engine.state import StateSlots
 
+#: Draft tokens one step scores at most, shared out among its running rows
+#: (speculative decoding; bench/bench_speculative.py: at 8 rows, 2 draft tokens
+#: each cost +30% over a plain decode step on this CPU, 8 each +120%).
+STEP_DRAFT_TOKENS = 16
+
 
 @dataclass(frozen=True, slots=True)
 class RowPlan:
@@ -309,6 +314,9 @@ class Scheduler:
         if spec is None or seq.inflight or seq.row_masks:
             return ()
         room = seq.prepared.max_tokens - seq.num_output - 1
+        # Scored tokens cost more the more rows share the step: the step's draft
+        # tokens are shared out among its rows (all of them for a single stream).
+        room = min(room, max(1, STEP_DRAFT_TOKENS // max(1, len(self.running))))
         draft = tuple(spec.propose(seq.tokens, room)) if room > 0 else ()
         if draft:  # a draft never preempts anyone: shorten it to the free blocks
             end = seq.num_computed + 1
