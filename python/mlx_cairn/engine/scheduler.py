@@ -197,6 +197,8 @@ class Scheduler:
         self.block_size: int = pool.block_size
         self.max_batch = max_batch
         self.step_token_budget = step_token_budget
+        #: Draft tokens a step scores at most (speculative decoding).
+        self.step_draft_tokens = STEP_DRAFT_TOKENS
         #: Not admitted, sorted by arrival (preempted ones keep their old place).
         self.waiting: list[Sequence] = []
         #: Admitted (holding blocks), sorted by arrival.
@@ -316,7 +318,7 @@ class Scheduler:
         room = seq.prepared.max_tokens - seq.num_output - 1
         # Scored tokens cost more the more rows share the step: the step's draft
         # tokens are shared out among its rows (all of them for a single stream).
-        room = min(room, max(1, STEP_DRAFT_TOKENS // max(1, len(self.running))))
+        room = min(room, max(1, self.step_draft_tokens // max(1, len(self.running))))
         draft = tuple(spec.propose(seq.tokens, room)) if room > 0 else ()
         if draft:  # a draft never preempts anyone: shorten it to the free blocks
             end = seq.num_computed + 1
