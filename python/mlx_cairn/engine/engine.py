@@ -722,12 +722,21 @@ class Engine:
                 if hit:
                     self._pool.free(hit)
                 return
-            where = mx.array(ids, dtype=mx.int32)
+            # Runs of consecutive block ids are written as slices: on this CPU an
+            # indexed write of 105 MiB takes ~10x as long as slice writes of the same rows.
+            runs = _id_runs(list(ids))
+            where = mx.array(ids, dtype=mx.int32) if len(runs) > _MAX_SLICE_RUNS else None
             for j, layer in enumerate(disk.kv_layers):
                 for pool, part in ((p.k[layer], 2 * j), (p.v[layer], 2 * j + 1)):
                     assert pool is not None
                     arr = mx.array(loaded.arrays[part])
-                    pool[where] = arr.view(mx.bfloat16) if pool.dtype == mx.bfloat16 else arr
+                    if pool.dtype == mx.bfloat16:
+                        arr = arr.view(mx.bfloat16)
+                    if where is not None:
+                        pool[where] = arr
+                        continue
+                    for at, first, n in runs:
+                        pool[first : first + n] = arr[at : at + n]
             self._cache.insert(hashes, hit + list(ids))
             self._pool.free(hit + list(ids))
         states = self._scheduler.states
@@ -786,6 +795,23 @@ class Engine:
             )
         with self._lock:
             self._stats = snap
+
+
+#: Above this many runs of consecutive ids, blocks read from disk are written with one
+#: indexed assignment instead of one slice per run.
+_MAX_SLICE_RUNS = 16
+
+
+def _id_runs(ids: list[int]) -> list[tuple[int, int, int]]:
+    """``ids`` as runs of consecutive values: (index in ``ids``, first id, length)."""
+    runs: list[tuple[int, int, int]] = []
+    for i, b in enumerate(ids):
+        if runs and runs[-1][1] + runs[-1][2] == b:
+            at, first, n = runs[-1]
+            runs[-1] = (at, first, n + 1)
+        else:
+            runs.append((i, b, 1))
+    return runs
 
 
 def _layer_specs(model: Any) -> list[LayerSpec]:
