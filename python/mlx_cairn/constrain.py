@@ -215,9 +215,8 @@ class GrammarMask:
         if self._buf is None:
             self._buf = np.empty(vocab, dtype=np.float32)
         buf = self._buf
-        prepared = getattr(seq, "prepared", None)  # a bare row (tests) has no budget
-        if self._held is None and prepared is not None:
-            self._look(prepared.max_tokens - len(out), len(out))
+        if self._held is None:
+            self._look(seq.prepared.max_tokens - len(out), len(out))
         if self._held is not None:
             buf.fill(-np.inf)
             if self._held:
