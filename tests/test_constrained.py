@@ -4,6 +4,7 @@ and validate, forced tool choices always call the right tool with valid input.""
 from __future__ import annotations
 
 import json
+import re
 
 import jsonschema
 import pytest
@@ -213,28 +214,25 @@ IN_TESTS = [0, 1, 2, 3, 5, 6, 9, 10, 15, 17, 20, 25]
 
 @pytest.mark.parametrize("temperature", [0.0, 0.8])
 def test_structured_outputs_follow_their_schema(engine, temperature):
-    """Every answer parses and validates: one that ends (end of turn), and one the
-    budget closed (a small model looping inside a string is held to a way to
-    finish near max_tokens, and ends as max_tokens)."""
+    """What the grammar guarantees: an answer that ends (end of turn) parses and
+    validates; one cut by max_tokens is a prefix the grammar allowed, never text
+    that breaks it. A small model can still loop inside a string until max_tokens."""
     assert len(SCHEMAS) >= 30
     cases = [SCHEMAS[i] for i in IN_TESTS]
     reqs = [answer(p, s, temperature, seed=i) for i, (p, s) in enumerate(cases)]
+    ended = 0
     for (prompt, schema), events in zip(cases, run_all(engine, reqs), strict=True):
         done = events[-1]
         assert isinstance(done, Done), (prompt, done)
-        assert done.stop_reason in ("end_turn", "max_tokens"), (prompt, done)
-        jsonschema.validate(json.loads(text_of(events)), schema)
+        text = text_of(events)
+        if done.stop_reason == "max_tokens":
+            assert text.startswith(("{", "[", '"')) or text[:1].isdigit() or text[:1] == "-", text
+            continue
+        assert done.stop_reason == "end_turn", (prompt, done, text)
+        jsonschema.validate(json.loads(text), schema)
+        ended += 1
+    assert ended >= len(cases) - 2, f"only {ended} of {len(cases)} answers ended"
     assert_at_rest(engine)
-
-
-def test_the_budget_closes_a_loop_in_a_free_string(engine):
-    """An answer that would loop inside a string until max_tokens still validates."""
-    schema = {"type": "object", "properties": {"story": {"type": "string"}, "n": {"type": "integer"}},
-              "required": ["story", "n"], "additionalProperties": False}  # fmt: skip
-    (events,) = run_all(engine, [answer("Tell a very long story.", schema, 0.0, max_tokens=40)])
-    assert isinstance(events[-1], Done) and events[-1].stop_reason == "max_tokens"
-    assert events[-1].usage.output_tokens == 40
-    jsonschema.validate(json.loads(text_of(events)), schema)
 
 
 def test_json_object_is_an_object(engine):
@@ -265,9 +263,10 @@ def test_forced_tool_choice_calls_the_right_tool(engine, temperature):
     by_name = {t.name: t for t in TOOLS}
     for (prompt, _, want), events in zip(cases, run_all(engine, reqs), strict=True):
         calls = [e for e in events if isinstance(e, ToolCall)]
-        # A call the budget closed ends as max_tokens; it is still one whole call.
-        assert isinstance(events[-1], Done), (prompt, events)
-        assert events[-1].stop_reason in ("tool_use", "max_tokens"), (prompt, events)
+        assert isinstance(events[-1], Done) and events[-1].stop_reason == "tool_use", (
+            prompt,
+            events,
+        )
         assert len(calls) == 1, calls  # parallel_tool_calls=False: exactly one
         assert want is None or calls[0].name == want
         jsonschema.validate(json.loads(calls[0].arguments), by_name[calls[0].name].parameters)
@@ -301,11 +300,10 @@ def test_structured_output_with_tools_offered_is_a_call_or_an_answer(engine):
 
 
 def test_max_tokens_inside_the_grammar_ends_as_max_tokens(engine):
-    """Too few tokens for any answer: cut where max_tokens falls, ending as max_tokens."""
     schema = {"type": "object", "properties": {"story": {"type": "string"}}, "required": ["story"]}
-    (events,) = run_all(engine, [answer("Tell a very long story.", schema, 0.0, max_tokens=2)])
+    (events,) = run_all(engine, [answer("Tell a very long story.", schema, 0.0, max_tokens=6)])
     assert isinstance(events[-1], Done) and events[-1].stop_reason == "max_tokens"
-    assert text_of(events).startswith("{"), text_of(events)
+    assert re.match(r'\{\s*"story":\s*"', text_of(events)), text_of(events)
 
 
 def test_a_schema_that_cannot_compile_is_refused_before_any_work(engine):

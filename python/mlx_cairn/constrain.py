@@ -172,21 +172,6 @@ class GrammarMask:
     ``start_after``: token ids that must appear in the output before the
     grammar applies (the close of reasoning when generation starts inside
     it); until then the row is unconstrained.
-
-    The budget close: a small model can loop inside a free string (or nest
-    objects) until ``max_tokens`` cuts it, leaving output that does not parse.
-    Near the end of the budget the row looks for a short way to finish the
-    grammar (``GrammarMatcher.completion``); once that way needs about all the
-    tokens left, the row is held to it, written so that its last token is the
-    last one ``max_tokens`` allows where it can be. The answer then parses and
-    validates, and still ends as ``max_tokens`` (``length``), as the APIs report
-    a budget that ran out::
-
-        tokens left  ..  12   11   10    9    8 ...  1
-        way to finish    "}   "}   "}  (held to it, one byte a token: " } ...)
-
-    Where the way is shorter than what is left, it is written in as few tokens
-    as it takes and the turn ends there (end of turn).
     """
 
     needs_host_token = True
@@ -196,10 +181,6 @@ class GrammarMask:
         self.start_after = list(start_after or [])
         self._begin: int | None = None if self.start_after else 0
         self._consumed = 0  # output tokens fed to the matcher, counted from _begin
-        self._buf: np.ndarray | None = None
-        self._need: int | None = None  # tokens the last way to finish took
-        self._next_look = 0  # output length at which to look for a way again
-        self._held: list[int] | None = None  # the way the row is held to, in order
 
     def mask(self, seq: Any, vocab: int) -> mx.array | None:
         out = seq.tokens[seq.num_prompt :]
@@ -210,58 +191,7 @@ class GrammarMask:
         for t in out[self._begin + self._consumed :]:
             self.matcher.consume(t)
             self._consumed += 1
-            if self._held:
-                self._held = self._held[1:] if self._held[0] == t else None
-        if self._buf is None:
-            self._buf = np.empty(vocab, dtype=np.float32)
-        buf = self._buf
-        if self._held is None:
-            self._look(seq.prepared.max_tokens - len(out), len(out))
-        if self._held is not None:
-            buf.fill(-np.inf)
-            if self._held:
-                buf[self._held[0]] = 0.0
-            else:  # the way is written: the turn ends
-                buf[self.matcher.eos_ids] = 0.0
-        else:
-            self.matcher.mask_into(buf)
-        return mx.array(buf)
-
-    def _look(self, left: int, done: int) -> None:
-        """Hold the row to a way to finish once it needs about all ``left`` tokens."""
-        if done < self._next_look or self.matcher.is_stopped():
-            return
-        need = self._need
-        if need is not None and left > need + CLOSE_WATCH:
-            # Far from the end: look again now and then (a model that opens
-            # objects makes the way longer).
-            self._next_look = done + min(CLOSE_EVERY, left - need - CLOSE_WATCH)
-            if done > 0:
-                return
-        way = self.matcher.completion(CLOSE_BYTES_PER_TOKEN * left, CLOSE_EFFORT)
-        if way is None:
-            # Near the end, look again on the next step; far from it, later.
-            near = need is not None and left <= need + CLOSE_WATCH
-            self._next_look = done + (1 if near else CLOSE_EVERY)
-            return
-        shortest = self.matcher.fit(way, 1)
-        self._need = len(shortest)
-        if not way or (self._need + CLOSE_SLACK < left and len(way) < left):
-            return
-        self._held = self.matcher.fit(way, left)
-
-
-#: The budget close (:class:`GrammarMask`): it looks for a way to finish on every
-#: step once fewer than the way's length plus CLOSE_WATCH tokens are left, and every
-#: CLOSE_EVERY steps before; it holds the row to it with CLOSE_SLACK tokens to spare
-#: (a token can open an object, making the way a little longer), or as soon as the
-#: way spelled one byte a token fills what is left exactly. A way is searched up to
-#: CLOSE_BYTES_PER_TOKEN bytes per token left, within CLOSE_EFFORT grammar checks.
-CLOSE_WATCH = 8
-CLOSE_EVERY = 16
-CLOSE_SLACK = 6
-CLOSE_BYTES_PER_TOKEN = 8
-CLOSE_EFFORT = 16000
+        return mx.array(np.frombuffer(self.matcher.mask(), dtype=np.float32))
 
 
 def _find_end(tokens: list[int], pattern: list[int]) -> int | None:

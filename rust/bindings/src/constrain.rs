@@ -3,7 +3,6 @@
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use cairn_constrain::{Compiled, ConstrainError, Grammar, RowMatcher, Vocabulary};
-use pyo3::buffer::PyBuffer;
 use pyo3::exceptions::{PyRuntimeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::PyBytes;
@@ -103,52 +102,13 @@ impl PyMatcher {
         locked(&self.inner).consume(token).map_err(grammar_err)
     }
 
-    /// The next token's additive mask: `width` native-endian f32 (0.0 or -inf).
+    /// The next token's additive mask: `width` little-endian f32 (0.0 or -inf).
     fn mask<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyBytes>> {
         let mut buf = vec![0f32; self.width];
         py.detach(|| locked(&self.inner).fill_mask(&mut buf))
             .map_err(grammar_err)?;
-        Ok(PyBytes::new(py, f32_bytes(&buf)))
-    }
-
-    /// Write the next token's additive mask into `out`, a writable C-contiguous
-    /// float32 buffer of `width` entries (a numpy array), with no copy in between.
-    fn mask_into(&self, py: Python<'_>, out: &Bound<'_, PyAny>) -> PyResult<()> {
-        let buf = PyBuffer::<f32>::get(out)?;
-        if buf.readonly() || !buf.is_c_contiguous() || buf.item_count() != self.width {
-            return Err(PyValueError::new_err(format!(
-                "mask_into needs a writable contiguous float32 buffer of {} entries",
-                self.width
-            )));
-        }
-        // The buffer stays exported (and so alive and unmoved) while `buf` is held.
-        let addr = buf.buf_ptr() as usize;
-        let n = self.width;
-        py.detach(|| {
-            let slice = unsafe { std::slice::from_raw_parts_mut(addr as *mut f32, n) };
-            locked(&self.inner).fill_mask(slice)
-        })
-        .map_err(grammar_err)?;
-        drop(buf);
-        Ok(())
-    }
-
-    /// Tokens that finish the grammar from here (at most `max_len`, within
-    /// `effort` grammar checks), or None; the matcher itself does not move.
-    #[pyo3(signature = (max_len, effort = 4096))]
-    fn completion(&self, py: Python<'_>, max_len: usize, effort: usize) -> Option<Vec<u32>> {
-        py.detach(|| locked(&self.inner).completion(max_len, effort))
-    }
-
-    /// `plan` written in exactly `n` tokens where it can be (longer tokens for runs of bytes).
-    fn fit(&self, plan: Vec<u32>, n: usize) -> Vec<u32> {
-        locked(&self.inner).fit(&plan, n)
-    }
-
-    /// The end-of-turn ids.
-    #[getter]
-    fn eos_ids(&self) -> Vec<u32> {
-        locked(&self.inner).eos().to_vec()
+        let bytes: Vec<u8> = buf.iter().flat_map(|f| f.to_le_bytes()).collect();
+        Ok(PyBytes::new(py, &bytes))
     }
 
     fn is_accepting(&self) -> bool {
@@ -158,11 +118,6 @@ impl PyMatcher {
     fn is_stopped(&self) -> bool {
         locked(&self.inner).is_stopped()
     }
-}
-
-fn f32_bytes(v: &[f32]) -> &[u8] {
-    // f32 has no padding and any bit pattern is a valid u8 sequence.
-    unsafe { std::slice::from_raw_parts(v.as_ptr().cast::<u8>(), std::mem::size_of_val(v)) }
 }
 
 pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
