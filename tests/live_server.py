@@ -91,6 +91,26 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def engine_text(folder: Path, prompt: str, max_tokens: int) -> str:
+    """The in-process engine's greedy answer for the model saved in ``folder`` (what a
+    server on that folder must answer; no speculative decoding)."""
+    from mlx_cairn.engine.testing import closing_at_rest
+    from mlx_cairn.models import load
+    from mlx_cairn.types import ChatRequest, Message, SamplingParams
+
+    lm = load(str(folder))
+    req = ChatRequest(
+        [Message("user", prompt)], max_tokens=max_tokens, sampling=SamplingParams(temperature=0.0)
+    )
+    with closing_at_rest(Engine(lm, num_blocks=64, block_size=16)) as engine:
+        s = engine.submit(req)
+        list(s.iter_sync(timeout=120))
+        ids = s.output_ids
+    if ids and ids[-1] in lm.eos_token_ids:
+        ids = ids[:-1]
+    return lm.tokenizer.decode(ids)
+
+
 @contextmanager
 def cairn_serve(args: list[str], log: Path) -> Iterator[tuple[str, subprocess.Popen[bytes]]]:
     """A real ``cairn serve`` process on a free loopback port (no API key), up and

@@ -18,13 +18,9 @@ import httpx
 import openai
 import pytest
 
-from live_server import cairn_serve
-from mlx_cairn.engine import Engine
-from mlx_cairn.engine.testing import closing_at_rest
-from mlx_cairn.models import load
+from live_server import cairn_serve, engine_text
 from mlx_cairn.models.export import save_folder
 from mlx_cairn.models.testing import tiny_zoo_model
-from mlx_cairn.types import ChatRequest, Message, SamplingParams
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
@@ -51,27 +47,12 @@ def server(folder: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[s
         yield url
 
 
-def plain_text(folder: Path, prompt: str) -> str:
-    """The engine's greedy answer without speculative decoding."""
-    lm = load(str(folder))
-    req = ChatRequest(
-        [Message("user", prompt)], max_tokens=MAX_TOKENS, sampling=SamplingParams(temperature=0.0)
-    )
-    with closing_at_rest(Engine(lm, num_blocks=64)) as engine:
-        s = engine.submit(req)
-        list(s.iter_sync(timeout=120))
-        ids = s.output_ids
-    if ids and ids[-1] in lm.eos_token_ids:
-        ids = ids[:-1]
-    return lm.tokenizer.decode(ids)
-
-
 def test_answers_equal_decoding_without_speculation(server: str, folder: Path) -> None:
     oa = openai.OpenAI(base_url=server + "/v1", api_key="x", max_retries=0, timeout=120)
     an = anthropic.Anthropic(base_url=server, api_key="x", max_retries=0, timeout=120)
     drafted = accepted = 0
     for prompt in PROMPTS:
-        want = plain_text(folder, prompt)
+        want = engine_text(folder, prompt, MAX_TOKENS)
         body: dict[str, Any] = dict(
             model="llama",
             messages=[{"role": "user", "content": prompt}],
@@ -138,7 +119,7 @@ def test_a_draft_model_serves_the_same_text(folder: Path, tmp_path: Path) -> Non
                 max_tokens=MAX_TOKENS,
                 temperature=0,
             )
-            assert out.choices[0].message.content == plain_text(folder, prompt)
+            assert out.choices[0].message.content == engine_text(folder, prompt, MAX_TOKENS)
             assert out.usage is not None
             details = out.usage.completion_tokens_details
             assert details is not None and details.accepted_prediction_tokens

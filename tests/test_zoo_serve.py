@@ -17,13 +17,9 @@ import httpx
 import openai
 import pytest
 
-from live_server import cairn_serve
-from mlx_cairn.engine import Engine
-from mlx_cairn.engine.testing import closing_at_rest
-from mlx_cairn.models import load
+from live_server import cairn_serve, engine_text
 from mlx_cairn.models.export import save_folder
 from mlx_cairn.models.testing import tiny_zoo_model
-from mlx_cairn.types import ChatRequest, Message, SamplingParams
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
@@ -51,25 +47,9 @@ def server(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterato
         yield url
 
 
-def engine_text(folder: Path) -> str:
-    lm = load(str(folder))
-    req = ChatRequest(
-        messages=[Message("user", PROMPT)],
-        max_tokens=MAX_TOKENS,
-        sampling=SamplingParams(temperature=0.0),
-    )
-    with closing_at_rest(Engine(lm, num_blocks=64, block_size=16)) as engine:
-        s = engine.submit(req)
-        list(s.iter_sync(timeout=120))
-        ids = s.output_ids
-    if ids and ids[-1] in lm.eos_token_ids:
-        ids = ids[:-1]
-    return lm.tokenizer.decode(ids)
-
-
 @pytest.mark.parametrize("model_type", FAMILIES)
 def test_serves_through_both_sdks(server: str, model_dir: Path, model_type: str) -> None:
-    want = engine_text(model_dir / model_type)
+    want = engine_text(model_dir / model_type, PROMPT, MAX_TOKENS)
     oa = openai.OpenAI(base_url=server + "/v1", api_key="x", max_retries=0, timeout=120)
     body: dict[str, Any] = dict(
         model=model_type,
