@@ -201,6 +201,7 @@ def build(
     # The argparse types refuse these already; a Namespace built in code is checked here.
     for flag, value, low, inclusive in (
         ("--max-queue", args.max_queue, 1, True),
+        ("--max-batch", getattr(args, "max_batch", None), 1, True),
         ("--context-length", args.context_length, 2, True),
         ("--max-tokens-limit", args.max_tokens_limit, 1, True),
         ("--max-body-mb", args.max_body_mb, 0, False),
@@ -246,6 +247,7 @@ def build(
                 loaded,
                 kv_cache_gb=args.kv_cache_gb,
                 max_queue=args.max_queue,
+                max_batch=getattr(args, "max_batch", None),
                 kv_disk_dir=disk,
                 kv_disk_gb=getattr(args, "kv_disk_gb", None),
                 speculative=getattr(args, "speculative", None),
@@ -478,6 +480,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=64,
         metavar="N",
         help="waiting requests before new ones get 429",
+    )
+    p.add_argument(
+        "--max-batch",
+        type=at_least(1),
+        default=None,
+        metavar="N",
+        help="requests generating at once; the rest wait in the queue "
+        "(default 32, 16 for models with recurrent layers)",
     )
     p.add_argument(
         "--kv-cache-gb",

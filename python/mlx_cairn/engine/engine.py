@@ -69,6 +69,12 @@ from mlx_cairn.types import (
 
 log = logging.getLogger("mlx_cairn.engine")
 
+#: Sequences decoding at once by default. Decode reads the weights once per step
+#: whatever the batch, so more rows cost little (bench/bench_http.py at 32 streams).
+DEFAULT_MAX_BATCH = 32
+#: The default for models with recurrent layers (three state slots per sequence).
+DEFAULT_HYBRID_MAX_BATCH = 16
+
 #: Default memory for the state snapshots of a hybrid model.
 DEFAULT_SNAPSHOT_BYTES = 1 << 30
 #: Default size of the disk tier (GiB, the whole directory).
@@ -97,7 +103,9 @@ class Engine:
             overrides ``kv_cache_gb``.
         block_size: tokens per block.
         max_queue: requests waiting for admission before ``submit`` raises QueueFull.
-        max_batch: sequences admitted (holding blocks) at once.
+        max_batch: sequences admitted (holding blocks) at once (default
+            :data:`DEFAULT_MAX_BATCH`, :data:`DEFAULT_HYBRID_MAX_BATCH` for a model
+            with recurrent layers, whose state slots grow with it).
         step_token_budget: tokens per step: one per decoding sequence, the rest
             goes to chunked prefill.
         kv_dtype: pool dtype; default fp32 on CPU, the model's dtype otherwise.
@@ -130,7 +138,7 @@ class Engine:
         num_blocks: int | None = None,
         block_size: int = 16,
         max_queue: int = 64,
-        max_batch: int = 16,
+        max_batch: int | None = None,
         step_token_budget: int = 512,
         kv_dtype: mx.Dtype | None = None,
         state_snapshots: int | None = None,
@@ -144,7 +152,7 @@ class Engine:
         for name, val in (
             ("block_size", block_size),
             ("max_queue", max_queue),
-            ("max_batch", max_batch),
+            ("max_batch", 1 if max_batch is None else max_batch),
             ("step_token_budget", step_token_budget),
         ):
             if not isinstance(val, int) or val < 1:
@@ -172,6 +180,9 @@ class Engine:
         layer_specs = _layer_specs(model)
         per_block = KVPools.block_bytes(layer_specs, block_size, kv_dtype.size)
         slot_bytes = KVPools.slot_bytes(layer_specs)
+        if max_batch is None:
+            # Recurrent state takes slots per admitted sequence: hybrids batch fewer.
+            max_batch = DEFAULT_HYBRID_MAX_BATCH if slot_bytes else DEFAULT_MAX_BATCH
         draft_specs = _draft_specs(loaded_model, draft_model) if draft_model is not None else []
         per_block += KVPools.block_bytes(draft_specs, block_size, kv_dtype.size)
         states: StateSlots | None = None
@@ -483,6 +494,11 @@ class Engine:
                     up.failed += 1
                     up.end(seq, Error("internal", f"generation failed: {e}"))
             else:
+                if copies := [r.copy for r in plan.rows if r.copy is not None]:
+                    # Partial-block prefix reuse: before any forward call of the step.
+                    self._pools.copy_rows(copies)
+                    if self._drafter is not None:
+                        self._drafter.pools.copy_rows(copies)
                 launched = self._launch_isolated(plan)
                 if launched is not None:
                     up.launched(launched)
@@ -771,6 +787,7 @@ class Engine:
             block_size=self.block_size,
             kv_cache_bytes=self._pools.nbytes,
             prefix_hit_tokens=sched.prefix_hit_tokens,
+            partial_hit_tokens=sched.partial_hit_tokens,
             preemptions=sched.num_preemptions,
             generated_tokens=up.generated_tokens,
             requests_total=up.requests,

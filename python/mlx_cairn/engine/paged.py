@@ -200,6 +200,22 @@ class KVPools:
         """Bytes of the state slots."""
         return sum(a.nbytes for arrs in self.state if arrs for a in arrs)
 
+    def copy_rows(self, copies: Seq[tuple[int, int, int]]) -> None:
+        """For each ``(src, dst, n)``: rows ``0 .. n-1`` of block ``src`` into block ``dst``,
+        in every KV layer.
+
+        The source blocks are read into arrays of their own and evaluated first
+        (this waits for a step in flight): an update whose value still aliases
+        its pool cannot be done in place, and MLX would copy the whole pool.
+        """
+        pools = [p for p in (*self.k, *self.v) if p is not None]
+        src = mx.array([c[0] for c in copies], dtype=mx.int32)
+        rows = [mx.take(p, src, axis=0) for p in pools]
+        mx.eval(rows)
+        for pool, got in zip(pools, rows, strict=True):
+            for j, (_, dst, n) in enumerate(copies):
+                pool[dst, :n] = got[j, :n]
+
     def arrays(self) -> list[mx.array]:
         """Every pool array (to evaluate after a step)."""
         out = [a for a in (*self.k, *self.v) if a is not None]

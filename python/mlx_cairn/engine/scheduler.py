@@ -16,6 +16,15 @@ Each call to :meth:`Scheduler.schedule` plans one engine step::
 Preempted sequences drop their blocks (full ones stay in the prefix cache)
 and go back to the queue in arrival order, ahead of newer requests.
 
+A prompt whose cached prefix ends inside a block reuses that block's leading
+rows too: the scheduler remembers, for each registered block, the block
+before it and its tokens; an admitted sequence whose next block starts like a
+cached one copies those rows into its own new block (``RowPlan.copy``, applied
+before the step's forward calls) instead of computing them::
+
+    cached      [b0][b1: t16..t31          ]
+    new prompt  [b0][b1': t16..t29 | u30 ..]  -> b1' gets rows 0..13 of b1
+
 Each sequence keeps its chained block hashes (``Sequence.block_hashes``) and
 extends them by the newly full blocks only, so a long generation hashes each
 token once instead of re-hashing its whole prefix whenever a block fills.
@@ -35,6 +44,7 @@ the request is admitted as a hit.
 from __future__ import annotations
 
 import bisect
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -46,6 +56,11 @@ from mlx_cairn.engine.state import StateSlots
 #: (speculative decoding; bench/bench_speculative.py: at 8 rows, 2 draft tokens
 #: each cost +30% over a plain decode step on this CPU, 8 each +120%).
 STEP_DRAFT_TOKENS = 16
+
+#: Fewest leading rows of a cached block worth copying into a new one (partial-block reuse).
+MIN_PARTIAL_ROWS = 4
+#: Cached blocks remembered per preceding block as partial-reuse sources (the newest).
+PARTIAL_CHILDREN = 32
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,6 +96,9 @@ class RowPlan:
     #: fed after the last known one (``n = 1 + len(draft)``); every fed token
     #: is scored.
     draft: tuple[int, ...] = ()
+    #: Partial-block reuse: (source block, this row's block, rows) to copy before
+    #: the step's forward calls (the first ``rows`` positions of the block).
+    copy: tuple[int, int, int] | None = None
 
     @staticmethod
     def of(seq: Sequence, n: int, block_size: int = 0) -> RowPlan:
@@ -148,8 +166,10 @@ class _Draft:
     prefill: list[tuple[Sequence, int]] = field(default_factory=list)
     verify: list[tuple[Sequence, tuple[int, ...]]] = field(default_factory=list)
     failed: list[tuple[Sequence, BaseException]] = field(default_factory=list)
+    copies: dict[int, tuple[int, int, int]] = field(default_factory=dict)  # id(seq) ->
 
     def discard(self, seq: Sequence) -> None:
+        self.copies.pop(id(seq), None)
         if seq in self.decode:
             self.decode.remove(seq)
         self.prefill = [(s, n) for s, n in self.prefill if s is not seq]
@@ -163,9 +183,14 @@ class _Draft:
         )
 
     def freeze(self, block_size: int) -> StepPlan:
+        def row(s: Sequence, n: int) -> RowPlan:
+            r = RowPlan.of(s, n, block_size)
+            copy = self.copies.get(id(s))
+            return r if copy is None else replace(r, copy=copy)
+
         return StepPlan(
-            decode=tuple(RowPlan.of(s, 1, block_size) for s in self.decode),
-            prefill=tuple(RowPlan.of(s, n, block_size) for s, n in self.prefill),
+            decode=tuple(row(s, 1) for s in self.decode),
+            prefill=tuple(row(s, n) for s, n in self.prefill),
             verify=tuple(
                 replace(RowPlan.of(s, 1, block_size), n=1 + len(d), draft=d) for s, d in self.verify
             ),
@@ -205,6 +230,13 @@ class Scheduler:
         self.running: list[Sequence] = []
         self.num_preemptions = 0
         self.prefix_hit_tokens = 0
+        #: Partial-reuse sources: (preceding block's hash, or the salt for a first
+        #: block; block hash) -> (block id, its tokens), least recently used first.
+        #: Entries go stale when a block is evicted; a use checks the cache first.
+        self._sources: OrderedDict[tuple[Any, int], tuple[int, tuple[int, ...]]] = OrderedDict()
+        self._by_parent: dict[Any, dict[int, None]] = {}  # preceding block -> its sources
+        #: Tokens admitted sequences got from partial-block copies.
+        self.partial_hit_tokens = 0
 
     # ------------------------------------------------------------- membership
 
@@ -287,7 +319,7 @@ class Scheduler:
             try:
                 if check is not None:
                     check(seq)
-                n = self._admit(seq, budget)
+                n = self._admit(seq, budget, plan)
             except Exception as e:
                 self._drop(seq, e, plan)
                 continue
@@ -351,7 +383,7 @@ class Scheduler:
         self.remove(seq)
         plan.failed.append((seq, err))
 
-    def _admit(self, seq: Sequence, budget: int) -> int:
+    def _admit(self, seq: Sequence, budget: int, plan: _Draft | None = None) -> int:
         """Admit the queue head: prefix lookup + blocks for its first chunk. 0 if it cannot."""
         # The kept chain covers the registered blocks (none at first admission);
         # the rest of the tokens continue it for this lookup only.
@@ -382,6 +414,9 @@ class Scheduler:
                 if not seq.state_slot:
                     new = None  # no state slot free: wait, as for blocks
             computed = len(hit) * self.block_size
+            partial = self._partial(seq, hashes, len(hit)) if plan is not None else None
+            if partial is not None:
+                computed += partial[1]
             seq.num_computed = computed
             if new is not None:
                 n = self._chunk(seq, min(len(seq.tokens) - computed, budget))
@@ -399,6 +434,12 @@ class Scheduler:
             self.states.hit_tokens += computed
         seq.block_ids = hit + list(new)
         seq.num_computed = computed
+        if partial is not None and plan is not None:
+            # The first new block takes the source's leading rows (copied before
+            # this step's forward calls, so a source evicted by this very plan is
+            # read first).
+            plan.copies[id(seq)] = (partial[0], seq.block_ids[len(hit)], partial[1])
+            self.partial_hit_tokens += partial[1]
         if seq.spec is not None:  # a draft model's KV: trusted as far as the hit goes
             seq.spec.draft_computed = min(seq.spec.draft_computed, computed)
         seq.num_registered = len(hit)
@@ -407,6 +448,71 @@ class Scheduler:
             self.prefix_hit_tokens += seq.cached_tokens
         bisect.insort(self.running, seq, key=lambda s: s.arrival)
         return n
+
+    def _partial(self, seq: Sequence, hashes: Any, num_hit: int) -> tuple[int, int] | None:
+        """A cached block to copy the leading rows of ``seq``'s first uncached block
+        from: (block id, rows), or None. Recurrent models get none (their state
+        exists at block boundaries only)."""
+        if self.states is not None:
+            return None
+        bs = self.block_size
+        start = num_hit * bs
+        limit = min(bs - 1, len(seq.tokens) - 1 - start)  # a token is always left to compute
+        if limit < MIN_PARTIAL_ROWS:
+            return None
+        parent = self._parent_key(seq, hashes, num_hit)
+        kids = self._by_parent.get(parent)
+        if not kids:
+            return None
+        want = seq.tokens[start : start + limit]
+        found = []
+        for child in kids:
+            block, toks = self._sources[(parent, child)]
+            k = 0
+            for a, b in zip(want, toks, strict=False):
+                if a != b:
+                    break
+                k += 1
+            if k >= MIN_PARTIAL_ROWS:
+                found.append((k, child, block))
+        for k, child, block in sorted(found, reverse=True):
+            if self.cache.block_hash(block) == child:  # still cached as that content
+                self._sources.move_to_end((parent, child))
+                return block, k
+        return None
+
+    def _parent_key(self, seq: Sequence, hashes: Any, index: int) -> Any:
+        """What identifies the prefix before block ``index``: the hash of the block
+        before it, or the salt for a first block."""
+        return int(hashes[index - 1]) if index else ("salt", seq.prepared.salt)
+
+    def _remember(self, seq: Sequence, hashes: Any, first: int, end: int) -> None:
+        """Keep blocks ``first .. end - 1`` of ``seq`` (just registered) as partial-reuse
+        sources: the newest :data:`PARTIAL_CHILDREN` per preceding block, and about
+        as many in all as the pool has blocks."""
+        if self.states is not None:
+            return
+        bs = self.block_size
+        for i in range(first, end):
+            parent, child = self._parent_key(seq, hashes, i), int(hashes[i])
+            key = (parent, child)
+            self._sources.pop(key, None)
+            self._sources[key] = (seq.block_ids[i], tuple(seq.tokens[i * bs : (i + 1) * bs]))
+            kids = self._by_parent.setdefault(parent, {})
+            kids.pop(child, None)
+            kids[child] = None
+            if len(kids) > PARTIAL_CHILDREN:
+                self._forget((parent, next(iter(kids))))
+        while len(self._sources) > max(256, self.pool.num_blocks):
+            self._forget(next(iter(self._sources)))
+
+    def _forget(self, key: tuple[Any, int]) -> None:
+        self._sources.pop(key, None)
+        kids = self._by_parent.get(key[0])
+        if kids is not None:
+            kids.pop(key[1], None)
+            if not kids:
+                del self._by_parent[key[0]]
 
     def _disk_plan(self, hashes: Any, hit: list[int], limit: int) -> tuple[int, int]:
         """What to read from the disk tier for a prefix whose resident hit is ``hit``:
@@ -560,6 +666,7 @@ class Scheduler:
                     seq.tokens[: full * self.block_size], salt=seq.prepared.salt
                 )
             self.cache.insert(h, seq.block_ids[:full])
+            self._remember(seq, h, seq.num_registered, full)
             seq.num_registered = full
         if seq.pending_snapshots and self.states is not None:
             ready = [(nb, slot) for nb, slot in seq.pending_snapshots if nb <= seq.num_registered]

@@ -34,6 +34,8 @@ class EngineStats:
     block_size: int = 0
     kv_cache_bytes: int = 0
     prefix_hit_tokens: int = 0
+    #: Of those, tokens copied from the leading rows of a cached block (partial-block reuse).
+    partial_hit_tokens: int = 0
     preemptions: int = 0
     generated_tokens: int = 0
     requests_total: int = 0
