@@ -9,6 +9,7 @@ import pytest
 
 import mlx_cairn
 from mlx_cairn.engine import Engine, paged
+from mlx_cairn.engine.engine import DEFAULT_MAX_BATCH
 from mlx_cairn.engine.stats import EngineStats
 from mlx_cairn.engine.testing import assert_at_rest, closing_at_rest, greedy_reference
 from mlx_cairn.errors import ContextLengthExceeded, EngineError, InvalidRequest
@@ -225,7 +226,7 @@ def test_pool_sizing(lm):
     try:
         st = default.stats()
         # Enough for max_batch full contexts, never more (the tiny model's are small).
-        assert st.blocks_total == 16 * lm.context_length // 16
+        assert st.blocks_total == DEFAULT_MAX_BATCH * lm.context_length // 16
         assert st.kv_cache_bytes <= paged.DEFAULT_MAX_BYTES
     finally:
         default.close()

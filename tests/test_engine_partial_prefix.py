@@ -18,7 +18,7 @@ from mlx_cairn.types import ChatRequest, Done, Message, SamplingParams
 
 TIMEOUT = 60.0
 SALT = "model\x00tenant"
-BS = 8
+BS = 16
 
 
 def _seq(rid: int, prompt: list[int], salt: str = SALT) -> Sequence:
@@ -62,48 +62,48 @@ def sched():
 
 
 def test_next_block_starting_like_a_cached_one_is_copied(sched):
-    a = _seq(1, list(range(100, 120)))  # blocks [100..107] [108..115] + 4
+    a = _seq(1, list(range(100, 140)))  # blocks [100..115] [116..131] + 8
     _run_prompt(sched, a)
     sched.finish(a)
-    # Same first block, then 5 tokens of a's second block, then different ones.
-    b = _seq(2, [*range(100, 113), 1, 2, 3, 4, 5, 6])
+    # Same first block, then 9 tokens of a's second block, then different ones.
+    b = _seq(2, [*range(100, 125), 1, 2, 3, 4, 5, 6])
     rows = _run_prompt(sched, b)
     first = rows[0]
     assert first.copy is not None
     src, dst, n = first.copy
-    assert n == 5 and first.start == BS + 5
+    assert n == 9 and first.start == BS + 9
     assert dst == b.block_ids[1] and src not in b.block_ids
     assert sched.cache.block_hash(src) is not None  # a's block, still cached
-    assert b.cached_tokens == BS + 5 and sched.partial_hit_tokens == 5
+    assert b.cached_tokens == BS + 9 and sched.partial_hit_tokens == 9
     assert all(r.copy is None for r in rows[1:])
 
 
 def test_a_token_is_always_left_to_compute(sched):
-    a = _seq(1, list(range(100, 120)))
+    a = _seq(1, list(range(100, 140)))
     _run_prompt(sched, a)
     sched.finish(a)
-    b = _seq(2, list(range(100, 114)))  # all of it cached: the last token is computed
+    b = _seq(2, list(range(100, 126)))  # all of it cached: the last token is computed
     rows = _run_prompt(sched, b)
-    assert rows[0].copy is not None and rows[0].copy[2] == 5
-    assert rows[0].start == 13 and rows[0].n == 1
+    assert rows[0].copy is not None and rows[0].copy[2] == 9
+    assert rows[0].start == 25 and rows[0].n == 1
 
 
 def test_short_overlaps_other_salts_and_evicted_sources_are_not_used(sched):
-    a = _seq(1, list(range(100, 120)))
+    a = _seq(1, list(range(100, 140)))
     _run_prompt(sched, a)
     sched.finish(a)
     few = _seq(2, [*range(100, 100 + BS + MIN_PARTIAL_ROWS - 1), 1, 2, 3, 4, 5, 6])
     assert _run_prompt(sched, few)[0].copy is None
     sched.finish(few)
-    other = _seq(3, [*range(100, 113), 1, 2, 3], salt="another model")
+    other = _seq(3, [*range(100, 129), 1, 2, 3], salt="another model")
     assert _run_prompt(sched, other)[0].copy is None
     sched.finish(other)
     # Fill the pool with fresh content: a's blocks are evicted and reused.
-    for i in range(6):
-        s = _seq(10 + i, [7000 + 50 * i + j for j in range(40)])
+    for i in range(7):
+        s = _seq(10 + i, [7000 + 100 * i + j for j in range(80)])
         _run_prompt(sched, s)
         sched.finish(s)
-    b = _seq(4, [*range(100, 113), 1, 2, 3, 4])
+    b = _seq(4, [*range(100, 129), 1, 2, 3, 4])
     assert all(r.copy is None for r in _run_prompt(sched, b))
     assert b.cached_tokens == 0
 
@@ -111,10 +111,10 @@ def test_short_overlaps_other_salts_and_evicted_sources_are_not_used(sched):
 def test_a_preempted_row_takes_no_copy_with_it():
     pool = BlockPool(num_blocks=6, block_size=BS)  # 5 usable blocks
     sched = Scheduler(pool, PrefixCache(pool, seed=1), max_batch=4, step_token_budget=64)
-    a = _seq(1, list(range(100, 120)))
+    a = _seq(1, list(range(100, 140)))
     _run_prompt(sched, a)
     sched.finish(a)
-    b = _seq(2, [*range(100, 113), 1, 2, 3])
+    b = _seq(2, [*range(100, 129), 1, 2, 3])
     sched.add(b)
     plan = sched.schedule()
     assert [r.copy is not None for r in plan.rows] == [True]

@@ -57,8 +57,10 @@ from mlx_cairn.engine.state import StateSlots
 #: each cost +30% over a plain decode step on this CPU, 8 each +120%).
 STEP_DRAFT_TOKENS = 16
 
-#: Fewest leading rows of a cached block worth copying into a new one (partial-block reuse).
-MIN_PARTIAL_ROWS = 4
+#: Fewest leading rows of a cached block worth copying into a new one (partial-block
+#: reuse): a copy first waits for the step in flight, and a few rows (a chat
+#: template's opening tokens, shared by every prompt) save less than that costs.
+MIN_PARTIAL_ROWS = 8
 #: Cached blocks remembered per preceding block as partial-reuse sources (the newest).
 PARTIAL_CHILDREN = 32
 
