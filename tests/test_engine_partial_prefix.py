@@ -108,7 +108,7 @@ def test_short_overlaps_other_salts_and_evicted_sources_are_not_used(sched):
     assert b.cached_tokens == 0
 
 
-def test_a_preempted_row_takes_no_copy_with_it():
+def test_a_preempted_row_starts_over_without_its_copy():
     pool = BlockPool(num_blocks=6, block_size=BS)  # 5 usable blocks
     sched = Scheduler(pool, PrefixCache(pool, seed=1), max_batch=4, step_token_budget=64)
     a = _seq(1, list(range(100, 140)))
@@ -118,7 +118,7 @@ def test_a_preempted_row_takes_no_copy_with_it():
     sched.add(b)
     plan = sched.schedule()
     assert [r.copy is not None for r in plan.rows] == [True]
-    # Undo: preempting b in the draft drops its copy too.
+    # Preempted, b holds nothing and will look its prefix up again.
     sched.preempt(b)
     assert b.block_ids == [] and b.num_computed == 0
 
@@ -194,6 +194,6 @@ def test_hybrid_models_copy_nothing():
         shared = [(7 * i) % 200 + 3 for i in range(16 + 11)]
         _answer(e, greedy([*shared, 1, 2, 3], 4, base))
         prompt = [*shared, 4, 5, 6]
-        out, done = _answer(e, greedy(prompt, 6, base))
+        out, _ = _answer(e, greedy(prompt, 6, base))
         assert e.stats().partial_hit_tokens == 0
         assert out == mlx_lm_greedy(lm.model.inner, prompt, 6, set(lm.eos_token_ids))
