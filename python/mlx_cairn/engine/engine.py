@@ -108,11 +108,6 @@ class Engine:
             with recurrent layers, whose state slots grow with it).
         step_token_budget: tokens per step: one per decoding sequence, the rest
             goes to chunked prefill.
-        idle_token_budget: tokens of a step in which no sequence decodes (a
-            burst of new prompts, a lone long one): no decode latency to
-            protect, so prefill takes bigger chunks (default 4 x
-            ``step_token_budget``; bench/RESULTS.md, issue 14: +10% at 8 new
-            128-token prompts).
         kv_dtype: pool dtype; default fp32 on CPU, the model's dtype otherwise.
         state_snapshots: models with recurrent layers (hybrids): prefix snapshots
             of their state kept at most (engine/state.py). Default: what
@@ -145,7 +140,6 @@ class Engine:
         max_queue: int = 64,
         max_batch: int | None = None,
         step_token_budget: int = 512,
-        idle_token_budget: int | None = None,
         kv_dtype: mx.Dtype | None = None,
         state_snapshots: int | None = None,
         snapshot_interval: int = DEFAULT_INTERVAL_BLOCKS,
@@ -260,9 +254,6 @@ class Engine:
             self._cache,
             max_batch=max_batch,
             step_token_budget=step_token_budget,
-            idle_token_budget=4 * step_token_budget
-            if idle_token_budget is None
-            else idle_token_budget,
             states=states,
         )
         if self._disk is not None:

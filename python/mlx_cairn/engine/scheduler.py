@@ -3,7 +3,7 @@
 Pure bookkeeping over the Rust ``BlockPool`` / ``PrefixCache``; no MLX here.
 Each call to :meth:`Scheduler.schedule` plans one engine step::
 
-    budget = step_token_budget (idle_token_budget when no sequence decodes)
+    budget = step_token_budget
     1. decode: every admitted sequence with exactly one pending token gets a row
        (oldest first); a row that needs a new block and finds none preempts the
        youngest admitted sequence (possibly itself);
@@ -210,7 +210,6 @@ class Scheduler:
         *,
         max_batch: int,
         step_token_budget: int,
-        idle_token_budget: int | None = None,
         states: StateSlots | None = None,
     ) -> None:
         self.pool = pool
@@ -225,9 +224,6 @@ class Scheduler:
         self.block_size: int = pool.block_size
         self.max_batch = max_batch
         self.step_token_budget = step_token_budget
-        #: The budget of a step no sequence decodes in: no decode latency to protect,
-        #: and one bigger prefill call reads the weights fewer times.
-        self.idle_token_budget = max(step_token_budget, idle_token_budget or step_token_budget)
         #: Draft tokens a step scores at most (speculative decoding).
         self.step_draft_tokens = STEP_DRAFT_TOKENS
         #: Not admitted, sorted by arrival (preempted ones keep their old place).
@@ -297,9 +293,7 @@ class Scheduler:
                         plan.decode.append(seq)
             except Exception as e:
                 self._drop(seq, e, plan)
-        decoding = plan.decode or plan.verify or any(s.num_output for s in self.running)
-        budget = self.step_token_budget if decoding else self.idle_token_budget
-        budget -= len(plan.decode)
+        budget = self.step_token_budget - len(plan.decode)
         budget -= sum(1 + len(d) for _, d in plan.verify)
         for seq in list(self.running):
             if budget <= 0:
