@@ -10,7 +10,7 @@ import pytest
 from mlx_cairn.engine import Engine
 from mlx_cairn.engine.scheduler import MIN_PARTIAL_ROWS, Scheduler
 from mlx_cairn.engine.sequence import PreparedRequest, Sequence
-from mlx_cairn.engine.testing import closing_at_rest, greedy_reference
+from mlx_cairn.engine.testing import bare_sequence, closing_at_rest, greedy_reference
 from mlx_cairn.kv import BlockPool, PrefixCache
 from mlx_cairn.models.testing import mlx_lm_greedy, tiny_model, tiny_zoo_model
 from mlx_cairn.models.tiny_configs import HYBRID_CONFIGS
@@ -22,20 +22,7 @@ BS = 16
 
 
 def _seq(rid: int, prompt: list[int], salt: str = SALT) -> Sequence:
-    req = ChatRequest(messages=[Message("user", "x")], max_tokens=4)
-    prepared = PreparedRequest(
-        request=req,
-        prompt_ids=list(prompt),
-        parser_family=None,
-        reasoning=False,
-        in_reasoning=False,
-        salt=salt,
-        max_tokens=4,
-        sampling=SamplingParams(temperature=0.0, seed=0),
-    )
-    return Sequence(
-        request_id=rid, prepared=prepared, stream=None, tokens=list(prompt), arrival=rid
-    )  # type: ignore[arg-type]
+    return bare_sequence(rid, prompt, salt=salt, max_tokens=4)
 
 
 def _compute(sched: Scheduler) -> list:

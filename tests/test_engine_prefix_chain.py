@@ -8,8 +8,8 @@ import pytest
 
 from mlx_cairn.engine import Engine
 from mlx_cairn.engine.scheduler import Scheduler
-from mlx_cairn.engine.sequence import PreparedRequest, Sequence
-from mlx_cairn.engine.testing import closing_at_rest, greedy_reference
+from mlx_cairn.engine.sequence import Sequence
+from mlx_cairn.engine.testing import bare_sequence, closing_at_rest, greedy_reference
 from mlx_cairn.kv import BlockPool, PrefixCache
 from mlx_cairn.models.testing import tiny_model
 from mlx_cairn.types import ChatRequest, Done, Message, SamplingParams
@@ -22,24 +22,7 @@ SALT = "model\x00tenant"
 
 
 def _seq(rid: int, prompt: list[int], max_tokens: int) -> Sequence:
-    req = ChatRequest(messages=[Message("user", "x")], max_tokens=max_tokens)
-    prepared = PreparedRequest(
-        request=req,
-        prompt_ids=list(prompt),
-        parser_family=None,
-        reasoning=False,
-        in_reasoning=False,
-        salt=SALT,
-        max_tokens=max_tokens,
-        sampling=SamplingParams(temperature=0.0, seed=0),
-    )
-    return Sequence(
-        request_id=rid,
-        prepared=prepared,
-        stream=None,  # type: ignore[arg-type]
-        tokens=list(prompt),
-        arrival=rid,
-    )
+    return bare_sequence(rid, prompt, salt=SALT, max_tokens=max_tokens)
 
 
 def _step(sched: Scheduler) -> None:

@@ -37,6 +37,31 @@ def reference_ids(
     )
 
 
+def bare_sequence(rid: int, prompt: list[int], *, salt: str, max_tokens: int) -> Any:
+    """A greedy :class:`~mlx_cairn.engine.sequence.Sequence` with no stream, for
+    scheduler tests that run without a model (arrival order = ``rid``)."""
+    from mlx_cairn.engine.sequence import PreparedRequest, Sequence
+    from mlx_cairn.types import ChatRequest, Message
+
+    prepared = PreparedRequest(
+        request=ChatRequest(messages=[Message("user", "x")], max_tokens=max_tokens),
+        prompt_ids=list(prompt),
+        parser_family=None,
+        reasoning=False,
+        in_reasoning=False,
+        salt=salt,
+        max_tokens=max_tokens,
+        sampling=SamplingParams(temperature=0.0, seed=0),
+    )
+    return Sequence(
+        request_id=rid,
+        prepared=prepared,
+        stream=None,  # type: ignore[arg-type]
+        tokens=list(prompt),
+        arrival=rid,
+    )
+
+
 def wait_idle(engine: Any, timeout: float = 30.0) -> EngineStats:
     """Wait until the engine has nothing queued or running; return its stats."""
     deadline = time.monotonic() + timeout
