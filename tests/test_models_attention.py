@@ -1,4 +1,4 @@
-"""The CPU prefill attention path against mx.fast.scaled_dot_product_attention."""
+"""The CPU attention path (prefill and decode) against mx.fast.scaled_dot_product_attention."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from mlx_cairn.models import cpu_attention
-from mlx_cairn.models.cpu_attention import _cpu_prefill_attention, _exp2_shifted, attention
+from mlx_cairn.models.cpu_attention import _cpu_attention, _exp2_shifted, attention
 
 RTOL = 2e-5
 
@@ -51,7 +51,7 @@ def test_matches_fast_sdpa_none_and_causal(heads, shape, mask, chunk):
     length, t = shape
     q, k, v = _qkv(2, h, kvh, length, t, seed=length + t)
     want = mx.fast.scaled_dot_product_attention(q, k, v, scale=0.25, mask=mask)
-    _close(_cpu_prefill_attention(q, k, v, 0.25, mask), want)
+    _close(_cpu_attention(q, k, v, 0.25, mask), want)
 
 
 def test_matches_fast_sdpa_ragged_paged_mask(chunk):
@@ -62,7 +62,7 @@ def test_matches_fast_sdpa_ragged_paged_mask(chunk):
     q, k, v = _qkv(3, 6, 2, max(lengths), t, seed=3)
     mask = _ragged_mask(offsets, lengths, t)
     want = mx.fast.scaled_dot_product_attention(q, k, v, scale=0.25, mask=mask)
-    _close(_cpu_prefill_attention(q, k, v, 0.25, mask), want)
+    _close(_cpu_attention(q, k, v, 0.25, mask), want)
     _close(attention(q, k, v, 0.25, mask), want)
 
 
@@ -82,28 +82,35 @@ def test_matches_fast_sdpa_array_masks(mask_shape, kind, chunk):
     else:
         mask = mx.array(np.where(visible, rng.normal(size=mask_shape), -np.inf).astype(np.float32))
     want = mx.fast.scaled_dot_product_attention(q, k, v, scale=0.25, mask=mask)
-    _close(_cpu_prefill_attention(q, k, v, 0.25, mask), want)
+    _close(_cpu_attention(q, k, v, 0.25, mask), want)
 
 
 def test_fully_masked_row_averages_like_mlx():
     q, k, v = _qkv(1, 4, 2, 3, 6, seed=12)
     mask = mx.array([[True] * 6, [False] * 6, [True] + [False] * 5])
     want = mx.fast.scaled_dot_product_attention(q, k, v, scale=0.25, mask=mask)
-    _close(_cpu_prefill_attention(q, k, v, 0.25, mask), want)
+    _close(_cpu_attention(q, k, v, 0.25, mask), want)
 
 
 def test_large_scores_are_shifted_not_overflowed():
     # Scores in the hundreds: exp without the max shift would overflow fp32.
     q, k, v = _qkv(1, 4, 2, 24, 64, d=16, seed=11, spread=8.0)
     want = mx.fast.scaled_dot_product_attention(q, k, v, scale=1.0, mask="causal")
-    _close(_cpu_prefill_attention(q, k, v, 1.0, "causal"), want)
+    _close(_cpu_attention(q, k, v, 1.0, "causal"), want)
 
 
-def test_decode_and_other_dtypes_keep_the_fast_path():
-    q, k, v = _qkv(2, 6, 2, 1, 30, seed=2)
-    mask = _ragged_mask([29, 10], [1, 1], 30)
-    want = mx.fast.scaled_dot_product_attention(q, k, v, scale=0.25, mask=mask)
-    assert mx.array_equal(attention(q, k, v, 0.25, mask), want).item()
+@pytest.mark.parametrize("mask", ["ragged", "causal", None])
+def test_decode_rows_take_the_cpu_path_and_match(mask):
+    # One query per row (decode), rows at different lengths of a padded cache.
+    q, k, v = _qkv(2, 6, 2, 1, 30, seed=2, spread=3.0)
+    m = _ragged_mask([29, 10], [1, 1], 30) if mask == "ragged" else mask
+    want = mx.fast.scaled_dot_product_attention(q, k, v, scale=0.25, mask=m)
+    got = attention(q, k, v, 0.25, m)
+    assert not mx.array_equal(got, want).item()  # (computed by the base-2 path, not MLX's)
+    _close(got, want)
+
+
+def test_other_dtypes_keep_the_fast_path():
     q, k, v = (x.astype(mx.float16) for x in _qkv(1, 6, 2, 8, 8, seed=4))
     want = mx.fast.scaled_dot_product_attention(q, k, v, scale=0.25, mask="causal")
     assert mx.array_equal(attention(q, k, v, 0.25, "causal"), want).item()
@@ -112,7 +119,7 @@ def test_decode_and_other_dtypes_keep_the_fast_path():
 def test_unknown_mask_string_is_an_error():
     q, k, v = _qkv(1, 2, 2, 4, 4)
     with pytest.raises(ValueError, match="mask"):
-        _cpu_prefill_attention(q, k, v, 0.25, "sliding")
+        _cpu_attention(q, k, v, 0.25, "sliding")
 
 
 def test_exp2_matches_power_fused_and_plain():

@@ -1,15 +1,17 @@
-"""Softmax attention for fp32 prefill on the CPU backend, and its hook into mlx-lm models.
+"""Softmax attention for fp32 on the CPU backend, and its hook into mlx-lm models.
 
 On the CPU backend mx.fast.scaled_dot_product_attention is not fused: it
 materialises the whole [B, heads, L, T] score matrix and runs a softmax
 whose `exp` manages only ~50-80 M elements/s here (an add on an array that
 fits in cache runs at ~4 G/s; on a 40 MB array page faults cut that to
 ~0.3 G/s). Prefill (L > 1) therefore spends most of its attention time in
-exp and in passes over memory. `_cpu_prefill_attention` computes the same
+exp and in passes over memory. `_cpu_attention` computes the same
 softmax in base 2 (log2(e) folded into the query scale), in query chunks
 whose scores stay cache-sized, with 2**x from a degree-5 polynomial and an
 exponent-bit add fused into one mx.compile'd kernel (~450 M/s; relative
-error ~2e-7, i.e. fp32 rounding). Decode (L == 1) and other backends keep
+error ~2e-7, i.e. fp32 rounding). Decode (L == 1) takes it too: its
+softmax over every cached key is the same slow ``exp`` (at 8 rows x 1,024
+keys, 30 layers: 29 ms against MLX's 59 ms). Other dtypes and backends keep
 the fast path.
 
 :func:`install` routes the attention of an mlx-lm model's modules here for
@@ -30,10 +32,9 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
+from mlx_cairn.models import cpu_kernels
+
 _LOG2E = math.log2(math.e)
-_FIT_X = np.linspace(-1.0, 0.0, 20001)
-#: 2**f on (-1, 0], least-squares degree 5 (max relative error ~2.4e-7).
-_EXP2_COEFFS = [float(c) for c in np.polyfit(_FIT_X, 2.0**_FIT_X, 5)]
 #: Query rows per chunk are chosen so one chunk's scores hold about this many floats
 #: (3 MB; measured 0.25-4 M here: 0.75 M was fastest, 2 M ~20% slower, 4 M ~45%).
 _CHUNK_SCORES = 750_000
@@ -43,44 +44,14 @@ _MASKED = float(np.finfo(np.float32).min)
 
 def _exp2_shifted(s: mx.array, m: mx.array) -> mx.array:
     """``2 ** (s - m)`` for ``s <= m`` (``-inf`` gives 0), by polynomial and exponent bits."""
-    y = s - m
-    n = y.astype(mx.int32)  # truncates toward zero, so f is in (-1, 0]
-    f = y - n.astype(mx.float32)
-    p = f * _EXP2_COEFFS[0] + _EXP2_COEFFS[1]
-    for c in _EXP2_COEFFS[2:]:
-        p = p * f + c
-    bits = p.view(mx.int32) + (n << 23)
-    # Below 2**-126 the exponent add would leave the normal range: flush to 0.
-    return mx.where(y > -126.0, bits.view(mx.float32), 0.0)
+    return cpu_kernels.exp2_nonpositive(s - m)
 
 
-_exp2_fused: Any = None
-_exp2_shapes: set[tuple[tuple[int, ...], ...]] = set()
+#: ``_exp2_shifted`` as one fused kernel per shape.
+_exp2 = cpu_kernels.ShapedKernel(_exp2_shifted, 2)
 
 
-def _exp2(s: mx.array, m: mx.array) -> mx.array:
-    """``_exp2_shifted`` as one fused kernel (mx.compile builds it with the system C++ compiler).
-
-    Where compiling fails (no compiler), the same ops run unfused: slower, same
-    result. The kernel cannot be shapeless (``view`` needs shapes), so each new
-    shape is traced once; the wrapper is rebuilt now and then to bound its cache.
-    """
-    global _exp2_fused
-    key = (tuple(s.shape), tuple(m.shape))
-    if _exp2_fused is None or (key not in _exp2_shapes and len(_exp2_shapes) >= 256):
-        _exp2_shapes.clear()
-        fused = mx.compile(_exp2_shifted)
-        try:
-            probe = mx.zeros((1, 1, 1, 2, 3))
-            mx.eval(fused(probe, probe.max(-1, keepdims=True)))
-            _exp2_fused = fused
-        except Exception:  # any JIT failure means "use the plain ops"
-            _exp2_fused = _exp2_shifted
-    _exp2_shapes.add(key)
-    return _exp2_fused(s, m)
-
-
-def _cpu_prefill_attention(
+def _cpu_attention(
     q: mx.array, k: mx.array, v: mx.array, scale: float, mask: str | mx.array | None
 ) -> mx.array:
     """Softmax attention in base 2, chunked over queries; same contract as the fast SDPA.
@@ -140,9 +111,9 @@ def _cpu_prefill_attention(
 def attention(
     q: mx.array, k: mx.array, v: mx.array, scale: float, mask: str | mx.array | None
 ) -> mx.array:
-    """Scaled dot-product attention: the chunked base-2 path for fp32 CPU prefill, else MLX's."""
-    if q.shape[2] > 1 and q.dtype == mx.float32 and mx.default_device().type == mx.DeviceType.cpu:
-        return _cpu_prefill_attention(q, k, v, scale, mask)
+    """Scaled dot-product attention: the chunked base-2 path for fp32 on the CPU, else MLX's."""
+    if q.dtype == mx.float32 and mx.default_device().type == mx.DeviceType.cpu:
+        return _cpu_attention(q, k, v, scale, mask)
     return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask)
 
 
@@ -152,20 +123,21 @@ _active = True
 
 @contextlib.contextmanager
 def disabled() -> Iterator[None]:
-    """Run mlx-lm's own attention in patched modules for the duration of the block."""
+    """Run mlx-lm's own attention and activations in patched modules for the duration of the block."""
     global _active
     before, _active = _active, False
+    kernels_before, cpu_kernels.STATE["active"] = cpu_kernels.STATE["active"], False
     try:
         yield
     finally:
         _active = before
+        cpu_kernels.STATE["active"] = kernels_before
 
 
 def _cpu_case(q: mx.array, k: mx.array, v: mx.array, cache: Any, sinks: Any) -> bool:
     return (
         _active
         and sinks is None
-        and q.shape[2] > 1
         and q.dtype == mx.float32
         and k.dtype == mx.float32
         and q.shape[-1] == k.shape[-1] == v.shape[-1]
@@ -185,7 +157,7 @@ def _wrap(original: Any) -> Any:
         sinks: Any = None,
     ) -> mx.array:
         if _cpu_case(queries, keys, values, cache, sinks):
-            return _cpu_prefill_attention(queries, keys, values, scale, mask)
+            return _cpu_attention(queries, keys, values, scale, mask)
         return original(queries, keys, values, cache=cache, scale=scale, mask=mask, sinks=sinks)
 
     scaled_dot_product_attention._cairn_original = original  # type: ignore[attr-defined]
@@ -193,7 +165,7 @@ def _wrap(original: Any) -> Any:
 
 
 def install(model: nn.Module) -> int:
-    """Route fp32 CPU prefill attention of ``model``'s architecture modules to this file.
+    """Route fp32 CPU attention of ``model``'s architecture modules to this file.
 
     Patches the ``scaled_dot_product_attention`` name in each ``mlx_lm.models``
     module that defines one of ``model``'s classes (process-wide for those
@@ -202,9 +174,8 @@ def install(model: nn.Module) -> int:
     """
     if os.environ.get("CAIRN_CPU_ATTENTION", "1").lower() in ("0", "off"):
         return 0
-    names = {type(model).__module__} | {type(m).__module__ for m in model.modules()}
     patched = 0
-    for name in sorted(names):
+    for name in sorted(cpu_kernels.model_modules(model)):
         mod = sys.modules.get(name)
         if mod is None or not name.startswith("mlx_lm.models."):
             continue

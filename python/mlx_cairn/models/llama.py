@@ -23,6 +23,7 @@ import mlx.nn as nn
 
 from mlx_cairn.errors import ModelLoadError
 from mlx_cairn.models.base import KVCache
+from mlx_cairn.models import cpu_kernels
 from mlx_cairn.models.cpu_attention import attention
 
 #: ``model_type`` values this module implements.
@@ -194,7 +195,7 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(hidden, dim, bias=bias)
 
     def __call__(self, x: mx.array) -> mx.array:
-        return self.down_proj(nn.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(cpu_kernels.swiglu(self.gate_proj(x), self.up_proj(x)))
 
 
 class DecoderLayer(nn.Module):

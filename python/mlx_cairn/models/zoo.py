@@ -538,11 +538,12 @@ def finish(
     cast_floats(model, compute)
     mx.eval(model.parameters())
     if compute == mx.float32 and mx.default_device() == mx.cpu:
-        from mlx_cairn.models import cpu_attention
+        from mlx_cairn.models import cpu_attention, cpu_kernels
         from mlx_cairn.models.cpu_layout import apply_cpu_layout_generic
 
         apply_cpu_layout_generic(model)
         cpu_attention.install(model)
+        cpu_kernels.install(model)
     return ZooModel(model, config)
 
 
