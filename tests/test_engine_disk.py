@@ -254,10 +254,10 @@ def tier_and_pools(tmp: Path, dtype, block_size: int, heads: int, dim: int, num_
     )
     pools = dataclasses.make_dataclass("Pools", ["k", "v"])(
         k=[
-            mx.random.normal((num_blocks, block_size, heads, s.k_dim)).astype(dtype) for s in layers
+            mx.random.normal((heads, num_blocks, block_size, s.k_dim)).astype(dtype) for s in layers
         ],
         v=[
-            mx.random.normal((num_blocks, block_size, heads, s.v_dim)).astype(dtype) for s in layers
+            mx.random.normal((heads, num_blocks, block_size, s.v_dim)).astype(dtype) for s in layers
         ],
     )
     return tier, pools
@@ -267,6 +267,11 @@ def host(a) -> np.ndarray:
     import mlx.core as mx
 
     return np.asarray(a.view(mx.uint16) if a.dtype == mx.bfloat16 else a)
+
+
+def file_rows(pool, lo: int, hi: int) -> np.ndarray:
+    """Blocks ``lo .. hi-1`` of a head-major pool as the tier stores them: [n, bs, kvh, d]."""
+    return host(pool)[:, lo:hi].transpose(1, 2, 0, 3)
 
 
 @pytest.mark.parametrize(
@@ -294,8 +299,10 @@ def test_reads_across_files_and_from_inside_a_file_give_the_blocks_back(tmp_path
             got = tier.read([1000 + b for b in range(lo, hi)]).result()
             assert got.hashes == [1000 + b for b in range(lo, hi)]
             for j, layer in enumerate(tier.kv_layers):
-                np.testing.assert_array_equal(got.arrays[2 * j], host(pools.k[layer][lo:hi]))
-                np.testing.assert_array_equal(got.arrays[2 * j + 1], host(pools.v[layer][lo:hi]))
+                np.testing.assert_array_equal(got.arrays[2 * j], file_rows(pools.k[layer], lo, hi))
+                np.testing.assert_array_equal(
+                    got.arrays[2 * j + 1], file_rows(pools.v[layer], lo, hi)
+                )
         assert tier.stats.corrupt_blocks == 0
     finally:
         tier.close()
@@ -326,7 +333,7 @@ def test_a_file_system_without_direct_reads_falls_back_to_the_page_cache(tmp_pat
         monkeypatch.setattr(DiskTier, "_preadv", refuses_direct)
         got = tier.read([7 + b for b in range(20)]).result()
         assert len(got.hashes) == 20 and calls == [True, False] and not tier._direct
-        np.testing.assert_array_equal(got.arrays[0], host(pools.k[0][:20]))
+        np.testing.assert_array_equal(got.arrays[0], file_rows(pools.k[0], 0, 20))
     finally:
         tier.close()
 
@@ -380,6 +387,8 @@ def test_a_read_in_several_vectored_pieces_gives_the_blocks_back(tmp_path, monke
             got = tier.read([9 + b for b in range(lo, hi)]).result()
             assert len(got.hashes) == hi - lo
             for j, layer in enumerate(tier.kv_layers):
-                np.testing.assert_array_equal(got.arrays[2 * j + 1], host(pools.v[layer][lo:hi]))
+                np.testing.assert_array_equal(
+                    got.arrays[2 * j + 1], file_rows(pools.v[layer], lo, hi)
+                )
     finally:
         tier.close()

@@ -60,8 +60,11 @@ def test_ragged_chunks_match_contiguous(lm):
         cache2 = ContiguousKVCache(model.num_layers)
         model(mx.array([ids], dtype=mx.int32), cache2)
         k_ref = np.array(cache2.keys[0][0, :, : a + b, :])  # [kvh, T, hd]
-        k_pool = np.array(pools.k[0][mx.array(t)]).reshape(-1, model.num_kv_heads, model.head_dim)
-        np.testing.assert_allclose(k_pool[: a + b].transpose(1, 0, 2), k_ref, rtol=1e-5, atol=1e-5)
+        # Head-major pools: [kvh, blocks, bs, hd] -> [kvh, T, hd].
+        k_pool = np.array(pools.k[0][:, mx.array(t)]).reshape(
+            model.num_kv_heads, -1, model.head_dim
+        )
+        np.testing.assert_allclose(k_pool[:, : a + b], k_ref, rtol=1e-5, atol=1e-5)
 
 
 def test_cache_rejects_short_tables(lm):
@@ -79,7 +82,7 @@ def test_cache_rejects_short_tables(lm):
 
 def test_pool_shape_and_validation():
     p = KVPools(num_layers=2, num_kv_heads=3, head_dim=8, num_blocks=5, block_size=4)
-    assert p.k[0].shape == (5, 4, 3, 8) and len(p.v) == 2
+    assert p.k[0].shape == (3, 5, 4, 8) and len(p.v) == 2
     assert p.nbytes == 2 * 2 * 5 * 4 * 3 * 8 * 4
     assert KVPools.bytes_per_block(2, 3, 8, 4, 4) * 5 == p.nbytes
     with pytest.raises(ValueError):

@@ -101,3 +101,18 @@ def test_install_routes_a_models_activations_and_disabled_restores_them():
     mod = sys.modules[type(llama.model.inner.layers[0].mlp).__module__]
     assert hasattr(mod.swiglu, "_cairn_original")
     assert cpu_kernels.install(llama.model.inner) == 0  # (already installed: nothing twice)
+
+
+def test_softmax_matches_mx_softmax_with_masked_and_extreme_logits():
+    rng = np.random.default_rng(3)
+    x = rng.normal(size=(4, 5000)).astype(np.float32) * 8
+    x[1, :4990] = -np.inf  # a grammar mask leaving ten tokens
+    x[2, 7] = 1e4  # one overwhelming logit
+    x[3] = 0.0  # uniform
+    got = np.array(cpu_kernels.softmax(mx.array(x)))
+    want = np.array(mx.softmax(mx.array(x), axis=-1))
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-9)
+    assert (got[1, :4990] == 0).all() and got[2, 7] == 1.0
+    np.testing.assert_allclose(got.sum(-1), 1.0, rtol=1e-5)
+    half = mx.array(x[:1]).astype(mx.float16)  # other dtypes: MLX's own
+    assert mx.array_equal(cpu_kernels.softmax(half), mx.softmax(half, axis=-1)).item()

@@ -17,8 +17,8 @@ def pools(*specs: LayerSpec, blocks: int = 40) -> KVPools:
 
 def test_pools_take_each_layers_shape_and_bytes():
     p = pools(LayerSpec(2, 8, 8), LayerSpec(1, 32, 8, window=16), blocks=5)
-    assert p.k[0].shape == (5, BS, 2, 8) and p.v[1].shape == (5, BS, 1, 8)
-    assert p.k[1].shape == (5, BS, 1, 32)
+    assert p.k[0].shape == (2, 5, BS, 8) and p.v[1].shape == (1, 5, BS, 8)
+    assert p.k[1].shape == (1, 5, BS, 32)
     assert KVPools.block_bytes(p.layers, BS, 4) * 5 == p.nbytes
     # The uniform form still builds (and sizes) the same pools.
     u = KVPools(num_layers=2, num_kv_heads=3, head_dim=8, num_blocks=5, block_size=BS)

@@ -328,8 +328,9 @@ class DiskTier:
         ids = mx.array([b for b, _ in victims], dtype=mx.int32)
         arrays: list[mx.array] = []
         for layer in self.kv_layers:
-            arrays.append(pools.k[layer][ids])
-            arrays.append(pools.v[layer][ids])
+            # The pools are head-major; the files keep [blocks, block_size, kv_heads, dim].
+            arrays.append(mx.contiguous(pools.k[layer][:, ids].transpose(1, 2, 0, 3)))
+            arrays.append(mx.contiguous(pools.v[layer][:, ids].transpose(1, 2, 0, 3)))
         mx.async_eval(arrays)
         self._staged.append(_Staged([h for _, h in victims], arrays))
 

@@ -748,11 +748,14 @@ class Engine:
                     arr = mx.array(loaded.arrays[part])
                     if pool.dtype == mx.bfloat16:
                         arr = arr.view(mx.bfloat16)
+                    arr = arr.transpose(
+                        2, 0, 1, 3
+                    )  # file [n, bs, kvh, d] -> pool's [kvh, n, bs, d]
                     if where is not None:
-                        pool[where] = arr
+                        pool[:, where] = arr
                         continue
                     for at, first, n in runs:
-                        pool[first : first + n] = arr[at : at + n]
+                        pool[:, first : first + n] = arr[:, at : at + n]
             self._cache.insert(hashes, hit + list(ids))
             self._pool.free(hit + list(ids))
         states = self._scheduler.states

@@ -113,10 +113,13 @@ def pool_blocks(
 class KVPools:
     """Per-layer K/V block pools and recurrent state slots (MLX arrays), sized once.
 
-    Layer ``i`` with KV owns ``k[i]`` ``[num_blocks, block_size, kv_heads, k_dim]``
-    and ``v[i]`` ``[num_blocks, block_size, kv_heads, v_dim]`` from ``layers[i]``.
+    Layer ``i`` with KV owns ``k[i]`` ``[kv_heads, num_blocks, block_size, k_dim]``
+    and ``v[i]`` ``[kv_heads, num_blocks, block_size, v_dim]`` from ``layers[i]``.
     Every KV layer has every block, so one block id means the same positions in
-    all layers. A recurrent layer owns ``state[i]``: one ``[num_slots, *shape]``
+    all layers. Heads come first so that a step's gather of its rows' blocks,
+    ``k[i][:, tables]``, is already ``[kv_heads, B, T, dim]`` with each (row,
+    head) matrix contiguous: attention reads it as ``[B, kv_heads, T, dim]``
+    without a second copy (bench/RESULTS.md, "Head-major KV pools"). A recurrent layer owns ``state[i]``: one ``[num_slots, *shape]``
     array per entry of its spec (``k[i]`` / ``v[i]`` are None when it has no KV).
     ``layers`` may be omitted for a uniform model
     (``num_layers`` x ``num_kv_heads`` x ``head_dim``).
@@ -157,7 +160,7 @@ class KVPools:
         n, bs = self.num_blocks, self.block_size
 
         def kv(s: LayerSpec, d: int) -> mx.array | None:
-            return mx.zeros((n, bs, s.kv_heads, d), dtype=self.dtype) if s.has_kv else None
+            return mx.zeros((s.kv_heads, n, bs, d), dtype=self.dtype) if s.has_kv else None
 
         self.k = [kv(s, s.k_dim) for s in self.layers]
         self.v = [kv(s, s.v_dim) for s in self.layers]
@@ -210,11 +213,11 @@ class KVPools:
         """
         pools = [p for p in (*self.k, *self.v) if p is not None]
         src = mx.array([c[0] for c in copies], dtype=mx.int32)
-        rows = [mx.take(p, src, axis=0) for p in pools]
+        rows = [mx.take(p, src, axis=1) for p in pools]
         mx.eval(rows)
         for pool, got in zip(pools, rows, strict=True):
             for j, (_, dst, n) in enumerate(copies):
-                pool[dst, :n] = got[j, :n]
+                pool[:, dst, :n] = got[:, j, :n]
 
     def arrays(self) -> list[mx.array]:
         """Every pool array (to evaluate after a step)."""
@@ -305,10 +308,6 @@ class PagedKVCache:
             None: _View(mx.array(tables), np.arange(nblk * bs)[None, :])
         }
         self._masks: dict[tuple[int | None, int | None], mx.array] = {}
-        # On the CPU, attention over the transposed gather view costs about twice
-        # as much as one copy into [B, kvh, T, hd] plus attention over that
-        # (bench/RESULTS.md, Engine section).
-        self._contiguous = mx.default_device() == mx.cpu
         self._state_writes: list[tuple[int, int, mx.array]] = []
         self._state = None if state_slots is None else _StateRows(state_slots, lens, length)
         if pools.has_state and self._state is None:
@@ -402,20 +401,19 @@ class PagedKVCache:
         p = self.pools
         b, h, n, dk = keys.shape
         dv = values.shape[3]
-        # [B, kvh, L, d] -> [B*L, kvh, d], matching the row-major write slots.
-        k_rows = _as(keys.transpose(0, 2, 1, 3).reshape(b * n, h, dk), p.dtype)
-        v_rows = _as(values.transpose(0, 2, 1, 3).reshape(b * n, h, dv), p.dtype)
+        # [B, kvh, L, d] -> [kvh, B*L, d], matching the row-major write slots.
+        k_rows = _as(keys.transpose(1, 0, 2, 3).reshape(h, b * n, dk), p.dtype)
+        v_rows = _as(values.transpose(1, 0, 2, 3).reshape(h, b * n, dv), p.dtype)
         k_pool, v_pool = p.k[layer], p.v[layer]
         assert k_pool is not None and v_pool is not None, f"layer {layer} has no KV pools"
         # In-place scatter: the pool array is donated, nothing is copied.
-        k_pool[self._w_block, self._w_row] = k_rows
-        v_pool[self._w_block, self._w_row] = v_rows
+        k_pool[:, self._w_block, self._w_row] = k_rows
+        v_pool[:, self._w_block, self._w_row] = v_rows
         tables = self.view(geometry).tables
-        # [B, nblk, bs, kvh, d] -> [B, kvh, nblk*bs, d]
-        k_all = k_pool[tables].reshape(b, -1, h, dk).transpose(0, 2, 1, 3)
-        v_all = v_pool[tables].reshape(b, -1, h, dv).transpose(0, 2, 1, 3)
-        if self._contiguous and p.dtype == keys.dtype:  # (a cast below copies anyway)
-            k_all, v_all = mx.contiguous(k_all), mx.contiguous(v_all)
+        # [kvh, B, nblk, bs, d] -> [B, kvh, nblk*bs, d]: one copy (the gather), each
+        # (row, head) matrix contiguous.
+        k_all = k_pool[:, tables].reshape(h, b, -1, dk).transpose(1, 0, 2, 3)
+        v_all = v_pool[:, tables].reshape(h, b, -1, dv).transpose(1, 0, 2, 3)
         return _as(k_all, keys.dtype), _as(v_all, values.dtype)
 
     def update_and_fetch(

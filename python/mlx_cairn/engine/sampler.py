@@ -24,6 +24,7 @@ from collections.abc import Sequence
 import mlx.core as mx
 import numpy as np
 
+from mlx_cairn.models import cpu_kernels
 from mlx_cairn.types import GREEDY_BELOW_TEMPERATURE, SamplingParams
 
 _SEED_MASK = (1 << 63) - 1
@@ -104,7 +105,7 @@ def _filtered(
     if need_sort:
         order = mx.argsort(-scaled, axis=-1)  # descending
         scaled = mx.take_along_axis(scaled, order, axis=-1)
-    probs = mx.softmax(scaled, axis=-1)
+    probs = cpu_kernels.softmax(scaled, axis=-1)
     if need_sort:
         ranks = mx.arange(V, dtype=mx.int32)[None, :]
         keep = ranks < mx.array(k)[:, None]

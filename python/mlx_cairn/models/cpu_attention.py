@@ -42,13 +42,9 @@ _CHUNK_SCORES = 750_000
 _MASKED = float(np.finfo(np.float32).min)
 
 
-def _exp2_shifted(s: mx.array, m: mx.array) -> mx.array:
-    """``2 ** (s - m)`` for ``s <= m`` (``-inf`` gives 0), by polynomial and exponent bits."""
-    return cpu_kernels.exp2_nonpositive(s - m)
-
-
+_exp2_shifted = cpu_kernels.exp2_shifted
 #: ``_exp2_shifted`` as one fused kernel per shape.
-_exp2 = cpu_kernels.ShapedKernel(_exp2_shifted, 2)
+_exp2 = cpu_kernels.fused_exp2_shifted
 
 
 def _cpu_attention(

@@ -13,6 +13,7 @@ relative error ~2e-7, i.e. fp32 rounding, where |x| < 30):
     silu(x)        = x * sigmoid(x)
     gelu_approx(x) = x * sigmoid(2 sqrt(2/pi) (x + 0.044715 x**3))   (= mlx.nn's tanh form)
     swiglu(g, x)   = silu(g) * x
+    softmax(x)     = 2**(x log2 e - max) / sum    (the sampler's, over a whole vocabulary)
 
 :func:`install` routes the ``swiglu`` of an mlx-lm model's modules, and the
 ``nn.silu`` / ``nn.gelu_approx`` they call, here for fp32 arrays on the CPU;
@@ -103,12 +104,19 @@ class ShapedKernel:
         return self._compiled(*args)
 
 
+def exp2_shifted(s: mx.array, m: mx.array) -> mx.array:
+    """``2 ** (s - m)`` for ``s <= m`` (``-inf`` gives 0)."""
+    return exp2_nonpositive(s - m)
+
+
+fused_exp2_shifted = ShapedKernel(exp2_shifted, 2)
 fast_silu = ShapedKernel(_silu, 1)
 fast_gelu_approx = ShapedKernel(_gelu_approx, 1)
 fast_swiglu = ShapedKernel(_swiglu, 2)
 
-#: Off inside ``cpu_attention.disabled()`` (references that must run mlx-lm's own code).
-STATE = {"active": True}
+#: Off inside ``cpu_attention.disabled()`` (references that must run mlx-lm's own code),
+#: and with ``CAIRN_CPU_ACTIVATIONS=0``.
+STATE = {"active": os.environ.get("CAIRN_CPU_ACTIVATIONS", "1").lower() not in ("0", "off")}
 
 
 def _fp32_cpu(*xs: mx.array) -> bool:
@@ -119,13 +127,24 @@ def _fp32_cpu(*xs: mx.array) -> bool:
     )
 
 
-def swiglu(gate: mx.array, x: mx.array, original: Callable[..., mx.array] | None = None) -> mx.array:
+def swiglu(
+    gate: mx.array, x: mx.array, original: Callable[..., mx.array] | None = None
+) -> mx.array:
     """``silu(gate) * x``: the fused kernel for fp32 on the CPU, else ``original`` (mlx-lm's)."""
     if _fp32_cpu(gate, x) and gate.shape == x.shape:
         return fast_swiglu(gate, x)
     if original is None:
         return nn.silu(gate) * x
     return original(gate, x)
+
+
+def softmax(x: mx.array, axis: int = -1) -> mx.array:
+    """``mx.softmax`` with the fused ``exp`` for fp32 on the CPU (sampling over a vocabulary)."""
+    if not _fp32_cpu(x):
+        return mx.softmax(x, axis=axis)
+    s = x * _LOG2E
+    e = fused_exp2_shifted(s, s.max(axis=axis, keepdims=True))
+    return e / e.sum(axis=axis, keepdims=True)
 
 
 def silu(x: mx.array) -> mx.array:
@@ -169,7 +188,7 @@ def install(model: nn.Module) -> int:
     originals. ``CAIRN_CPU_ACTIVATIONS=0`` turns it off. Returns the number of
     modules patched.
     """
-    if os.environ.get("CAIRN_CPU_ACTIVATIONS", "1").lower() in ("0", "off"):
+    if not STATE["active"]:
         return 0
     patched = 0
     for name in sorted(model_modules(model)):

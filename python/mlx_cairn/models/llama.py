@@ -22,8 +22,8 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from mlx_cairn.errors import ModelLoadError
-from mlx_cairn.models.base import KVCache
 from mlx_cairn.models import cpu_kernels
+from mlx_cairn.models.base import KVCache
 from mlx_cairn.models.cpu_attention import attention
 
 #: ``model_type`` values this module implements.
