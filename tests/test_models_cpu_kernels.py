@@ -116,3 +116,21 @@ def test_softmax_matches_mx_softmax_with_masked_and_extreme_logits():
     np.testing.assert_allclose(got.sum(-1), 1.0, rtol=1e-5)
     half = mx.array(x[:1]).astype(mx.float16)  # other dtypes: MLX's own
     assert mx.array_equal(cpu_kernels.softmax(half), mx.softmax(half, axis=-1)).item()
+
+
+def test_a_shapeless_compiled_function_never_meets_the_kernels():
+    # gpt_oss's SwigluOAI lives in mlx-lm's activations module, whose own compiled
+    # (shapeless) swiglu calls nn.silu: that module keeps mlx.nn, and the compiled
+    # function still runs at new shapes after the install (the kernels' view has no
+    # shape rule; routing nn.silu there broke every later caller of swiglu).
+    import mlx_lm.models.activations as activations
+
+    lm = tiny_zoo_model("gpt_oss", seed=1)
+    assert "mlx_lm.models.activations" in cpu_kernels.model_modules(lm.model.inner)
+    cpu_kernels.install(lm.model.inner)
+    assert activations.nn is nn
+    assert not hasattr(activations.swiglu, "_cairn_original")
+    for shape in ((2, 8), (3, 5), (1, 1, 7)):
+        g = mx.ones(shape)
+        mx.eval(activations.swiglu(g, g))
+    assert "silu" in cpu_kernels._compiled_names(activations)

@@ -107,7 +107,8 @@ class Engine:
             :data:`DEFAULT_MAX_BATCH`, :data:`DEFAULT_HYBRID_MAX_BATCH` for a model
             with recurrent layers, whose state slots grow with it).
         step_token_budget: tokens per step: one per decoding sequence, the rest
-            goes to chunked prefill.
+            goes to chunked prefill (a prompt's last sliver, at most an eighth of
+            the budget, goes with its chunk).
         kv_dtype: pool dtype; default fp32 on CPU, the model's dtype otherwise.
         state_snapshots: models with recurrent layers (hybrids): prefix snapshots
             of their state kept at most (engine/state.py). Default: what

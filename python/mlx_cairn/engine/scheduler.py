@@ -9,7 +9,9 @@ Each call to :meth:`Scheduler.schedule` plans one engine step::
        youngest admitted sequence (possibly itself);
     2. prefill: older partially-prefilled sequences continue, then new ones are
        admitted from the FIFO queue (prefix-cache lookup first), each taking a
-       chunk of the remaining budget;
+       chunk of the remaining budget (all of its prompt when the rest would be a
+       sliver of at most 1/TAIL_FRACTION of the budget, so the step may go over
+       by that much);
     admission stops at the first request that cannot get its blocks (FIFO),
     or when ``max_batch`` sequences are admitted.
 
@@ -56,6 +58,10 @@ from mlx_cairn.engine.state import StateSlots
 #: (speculative decoding; bench/bench_speculative.py: at 8 rows, 2 draft tokens
 #: each cost +30% over a plain decode step on this CPU, 8 each +120%).
 STEP_DRAFT_TOKENS = 16
+
+#: A prompt whose rest after this step's chunk would be at most 1/TAIL_FRACTION of the
+#: step budget is prefilled whole now (Scheduler._take).
+TAIL_FRACTION = 8
 
 #: Fewest leading rows of a cached block worth copying into a new one (partial-block
 #: reuse): a copy first waits for the step in flight, and a few rows (a chat
@@ -301,7 +307,7 @@ class Scheduler:
             if seq not in self.running or seq.num_pending <= 1 or plan.has(seq):
                 continue
             try:
-                n = self._chunk(seq, min(seq.num_pending, budget))
+                n = self._chunk(seq, self._take(seq.num_pending, budget))
                 if self._grow(seq, n, plan):
                     plan.prefill.append((seq, n))
                     budget -= n
@@ -421,7 +427,7 @@ class Scheduler:
                 computed += partial[1]
             seq.num_computed = computed
             if new is not None:
-                n = self._chunk(seq, min(len(seq.tokens) - computed, budget))
+                n = self._chunk(seq, self._take(len(seq.tokens) - computed, budget))
                 need = self.blocks_needed(computed + n) - len(hit)
                 new = self._allocate(need) if need > 0 else []
         except BaseException:
@@ -611,6 +617,18 @@ class Scheduler:
         if hit:
             self.pool.free(hit)
         self._release(seq)
+
+    def _take(self, remaining: int, budget: int) -> int:
+        """Prompt tokens to prefill now, of ``remaining``, with ``budget`` left in the step.
+
+        All of them when what would be left is a sliver (at most an eighth of the
+        step budget): a burst of prompts then does not leave a later step a
+        few-token chunk, which costs a forward call of its own (a read of every
+        weight) next to that step's decode call.
+        """
+        if remaining - budget <= self.step_token_budget // TAIL_FRACTION:
+            return remaining
+        return min(remaining, budget)
 
     def _chunk(self, seq: Sequence, n: int) -> int:
         """Cut a prefill chunk of ``n`` tokens at the next snapshot point, and plan the

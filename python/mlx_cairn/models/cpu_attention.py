@@ -108,7 +108,7 @@ def attention(
     q: mx.array, k: mx.array, v: mx.array, scale: float, mask: str | mx.array | None
 ) -> mx.array:
     """Scaled dot-product attention: the chunked base-2 path for fp32 on the CPU, else MLX's."""
-    if q.dtype == mx.float32 and mx.default_device().type == mx.DeviceType.cpu:
+    if _active and q.dtype == mx.float32 and mx.default_device().type == mx.DeviceType.cpu:
         return _cpu_attention(q, k, v, scale, mask)
     return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask)
 

@@ -16,13 +16,15 @@ relative error ~2e-7, i.e. fp32 rounding, where |x| < 30):
     softmax(x)     = 2**(x log2 e - max) / sum    (the sampler's, over a whole vocabulary)
 
 :func:`install` routes the ``swiglu`` of an mlx-lm model's modules, and the
-``nn.silu`` / ``nn.gelu_approx`` they call, here for fp32 arrays on the CPU;
-everything else (other dtypes, devices, ``cpu_attention.disabled()``) runs
+``nn.silu`` / ``nn.gelu_approx`` they call, here for fp32 arrays on the CPU
+(not in a module whose own compiled functions call them: a shapeless
+compiled function cannot hold these kernels); everything else (other dtypes, devices, ``cpu_attention.disabled()``) runs
 mlx-lm's and mlx.nn's own functions.
 """
 
 from __future__ import annotations
 
+import gc
 import math
 import os
 import sys
@@ -181,6 +183,42 @@ def model_modules(model: nn.Module) -> set[str]:
     return {type(model).__module__} | {type(m).__module__ for m in model.modules()}
 
 
+def _code_names(code: types.CodeType) -> set[str]:
+    names = set(code.co_names)
+    for c in code.co_consts:
+        if isinstance(c, types.CodeType):
+            names |= _code_names(c)
+    return names
+
+
+def _python_function(obj: Any) -> types.FunctionType | None:
+    """The Python function an mx.compile'd callable wraps (it holds it as a GC referent)."""
+    if type(obj).__name__ != "_gc_func":
+        return None
+    return next((r for r in gc.get_referents(obj) if isinstance(r, types.FunctionType)), None)
+
+
+def _compiled_names(mod: types.ModuleType) -> set[str]:
+    """Names the mx.compile'd functions defined in ``mod`` (or its classes) refer to.
+
+    The fused kernels cannot run inside a shapeless compiled function (their
+    ``view`` has no shape rule), so a name such a function calls is left alone.
+    """
+    objs = list(vars(mod).values())
+    objs += [
+        a
+        for c in objs
+        if isinstance(c, type) and c.__module__ == mod.__name__
+        for a in vars(c).values()
+    ]
+    names: set[str] = set()
+    for obj in objs:
+        fn = _python_function(obj)
+        if fn is not None and fn.__module__ == mod.__name__:
+            names |= _code_names(fn.__code__)
+    return names
+
+
 def install(model: nn.Module) -> int:
     """Route the activations of ``model``'s ``mlx_lm.models`` modules to this file.
 
@@ -196,11 +234,18 @@ def install(model: nn.Module) -> int:
         if mod is None or not name.startswith("mlx_lm.models."):
             continue
         done = False
+        compiled = _compiled_names(mod)
         fn = getattr(mod, "swiglu", None)
-        if fn is not None and not hasattr(fn, "_cairn_original"):
+        own = (f := _python_function(fn)) is not None and f.__module__ == name  # (activations)
+        if (
+            fn is not None
+            and not hasattr(fn, "_cairn_original")
+            and not own
+            and "swiglu" not in compiled
+        ):
             mod.swiglu = _wrap_swiglu(fn)  # type: ignore[attr-defined]
             done = True
-        if getattr(mod, "nn", None) is nn:
+        if getattr(mod, "nn", None) is nn and not compiled & {"silu", "gelu_approx"}:
             mod.nn = _NN()  # type: ignore[attr-defined]
             done = True
         patched += done
