@@ -85,7 +85,9 @@ def prompt_ids(lm: LoadedModel, n: int, seed: int) -> list[int]:
     return [int(t) for t in rng.integers(3, lm.tokenizer.vocab_size - 1, size=n)]
 
 
-def run(engine: Engine, prompts: list[list[int]], n: int, temperature: float) -> tuple[float, float]:
+def run(
+    engine: Engine, prompts: list[list[int]], n: int, temperature: float
+) -> tuple[float, float]:
     """(aggregate output tokens/s, first row's time to first token in s)."""
     base = engine.prepare(
         ChatRequest(
