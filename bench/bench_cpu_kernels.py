@@ -107,6 +107,12 @@ def run(
     return sum(len(s.output_ids) for s in streams) / wall, ttft
 
 
+def steal_ticks() -> int:
+    """CPU time the hypervisor gave to other guests (/proc/stat), in ticks."""
+    with open("/proc/stat") as f:
+        return int(f.readline().split()[8])
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--rounds", type=int, default=3)
@@ -117,6 +123,7 @@ def main() -> None:
     engine = Engine(dataclasses.replace(lm, eos_token_ids=set()), num_blocks=2048, block_size=16)
     res: dict[tuple[str, bool], list[float]] = {}
     seed = 0
+    steal0 = steal_ticks()
     for rnd in range(args.rounds):
         for on in (rnd % 2 == 0, rnd % 2 == 1):  # alternate which side goes first
             for name, val in kernels(on).items():
@@ -133,7 +140,7 @@ def main() -> None:
                     res.setdefault((f"x{conc} {kind}: tok/s", on), []).append(tps)
             print(f"round {rnd} fused={on} done", flush=True)
     engine.close()
-    print(f"\nload average after: {os.getloadavg()}\n")
+    print(f"\nload average after: {os.getloadavg()}; stolen CPU: {steal_ticks() - steal0} ticks\n")
     print("| measure | fused kernels | MLX ops | fused / MLX |")
     print("|---|---:|---:|---:|")
     for name in dict.fromkeys(k for k, _ in res):
