@@ -34,10 +34,11 @@ import mlx.core as mx
 # isort: on
 import numpy as np
 
+from bench_zoo_batch import submit_ids  # bench/ is on sys.path
 from mlx_cairn.engine import Engine
 from mlx_cairn.models import cpu_attention, cpu_kernels, load
 from mlx_cairn.models.loaded import LoadedModel
-from mlx_cairn.types import ChatRequest, Done, Message, SamplingParams
+from mlx_cairn.types import SamplingParams
 
 
 @contextlib.contextmanager
@@ -89,21 +90,9 @@ def run(
     engine: Engine, prompts: list[list[int]], n: int, temperature: float
 ) -> tuple[float, float]:
     """(aggregate output tokens/s, first row's time to first token in s)."""
-    base = engine.prepare(
-        ChatRequest(
-            messages=[Message("user", "x")],
-            max_tokens=n,
-            sampling=SamplingParams(temperature=temperature, seed=1),
-        )
-    )
-    t0 = time.perf_counter()
-    streams = [
-        engine.submit(dataclasses.replace(base, prompt_ids=p, max_tokens=n)) for p in prompts
-    ]
-    dones = [list(s.iter_sync(timeout=1800))[-1] for s in streams]
-    wall = time.perf_counter() - t0
-    assert all(isinstance(d, Done) for d in dones), dones
-    ttft = dones[0].timings.ttft_ms / 1000  # type: ignore[union-attr]
+    sampling = SamplingParams(temperature=temperature, seed=1)
+    streams, dones, wall = submit_ids(engine, prompts, n, sampling)
+    ttft = dones[0].timings.ttft_ms / 1000
     return sum(len(s.output_ids) for s in streams) / wall, ttft
 
 

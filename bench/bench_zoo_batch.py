@@ -127,9 +127,12 @@ def prompt_ids(lm: LoadedModel, n: int, i: int) -> list[int]:
     return [int(x) for x in rng.integers(3, vocab - 1, size=n)]
 
 
-def ours(engine: Engine, prompts: list[list[int]], n: int) -> tuple[float, list[int]]:
+def submit_ids(
+    engine: Engine, prompts: list[list[int]], n: int, sampling: SamplingParams = GREEDY
+) -> tuple[list[Any], list[Done], float]:
+    """Submit ``prompts`` (token ids) at once, ``n`` tokens each: (streams, dones, wall s)."""
     base = engine.prepare(
-        ChatRequest(messages=[Message("user", "x")], max_tokens=n, sampling=GREEDY)
+        ChatRequest(messages=[Message("user", "x")], max_tokens=n, sampling=sampling)
     )
     t0 = time.perf_counter()
     streams = [
@@ -138,6 +141,11 @@ def ours(engine: Engine, prompts: list[list[int]], n: int) -> tuple[float, list[
     dones = [list(s.iter_sync(timeout=1800))[-1] for s in streams]
     wall = time.perf_counter() - t0
     assert all(isinstance(d, Done) for d in dones), dones
+    return streams, dones, wall  # type: ignore[return-value]
+
+
+def ours(engine: Engine, prompts: list[list[int]], n: int) -> tuple[float, list[int]]:
+    streams, _, wall = submit_ids(engine, prompts, n)
     return sum(len(s.output_ids) for s in streams) / wall, list(streams[0].output_ids)
 
 
