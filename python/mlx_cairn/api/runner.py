@@ -159,6 +159,9 @@ async def _start(
 ) -> GenerationResponse:
     """Lease the model (waiting for its load), prepare, build the codec, submit in turn."""
     lease: Any = await state.registry.get(req.model)
+    # An idle engine lets a burst gather before its first step (Engine.announce).
+    announce = getattr(lease.engine, "announce", None)
+    arrived = announce() if announce is not None else None
     try:
         clamp = state.config.clamp_max_tokens or req.open_ended
         prepared = await prepare_generation(lease, req.chat, clamp_max_tokens=clamp)
@@ -170,6 +173,9 @@ async def _start(
     except BaseException:
         lease.release()
         raise
+    finally:
+        if arrived is not None:
+            arrived()
     try:
         return GenerationResponse(
             Generation(stream, n, lease),

@@ -75,6 +75,12 @@ DEFAULT_MAX_BATCH = 32
 #: The default for models with recurrent layers (three state slots per sequence).
 DEFAULT_HYBRID_MAX_BATCH = 16
 
+#: How long an idle engine's first step waits at most for announced requests
+#: (:meth:`Engine.announce`). The HTTP server announces each generation request
+#: before templating it; a burst of 16 reached the engine over ~40 ms here, while
+#: a prefill step for its first request alone takes 150-250 ms.
+DEFAULT_GATHER_S = 0.05
+
 #: Default memory for the state snapshots of a hybrid model.
 DEFAULT_SNAPSHOT_BYTES = 1 << 30
 #: Default size of the disk tier (GiB, the whole directory).
@@ -129,6 +135,17 @@ class Engine:
         num_speculative_tokens: most draft tokens per step and row (default
             :data:`~mlx_cairn.types.DEFAULT_NUM_SPECULATIVE`), adapted
             per row to its acceptance.
+        apply_first: the order of a step's two halves. Step n+1 is always planned
+            and built before step n is read back (n's tokens enter it as lazy
+            placeholders). Launch first (a GPU): queue n+1, then read n back, so
+            the device never idles. Apply first (default on the CPU): read n back
+            and send its tokens, then queue n+1. On the CPU ``mx.async_eval``
+            returns only once nearly all of a step has run, so launching first
+            delivers every token one step late (bench/RESULTS.md, issue 17).
+        gather_s: when the engine is idle and requests arrive while others are
+            announced (:meth:`announce`: being templated and tokenized), the
+            first step waits up to this long for them, so that a burst is
+            prefilled in one step rather than its first request alone.
     """
 
     def __init__(
@@ -149,6 +166,8 @@ class Engine:
         speculative: str | None = None,
         num_speculative_tokens: int | None = None,
         draft_model: Any = None,
+        apply_first: bool | None = None,
+        gather_s: float = DEFAULT_GATHER_S,
     ) -> None:
         for name, val in (
             ("block_size", block_size),
@@ -158,6 +177,8 @@ class Engine:
         ):
             if not isinstance(val, int) or val < 1:
                 raise ValueError(f"{name} must be a positive integer, got {val!r}")
+        if not (isinstance(gather_s, (int, float)) and 0 <= gather_s <= 10):
+            raise ValueError(f"gather_s must be between 0 and 10 seconds, got {gather_s!r}")
         if draft_model is not None and speculative is not None:
             raise ValueError("speculative and draft_model are two ways to speculate: pick one")
         if speculative is not None and speculative not in SPECULATIVE_MODES:
@@ -218,6 +239,11 @@ class Engine:
         )
         self.block_size = block_size
         self.max_queue = max_queue
+        if apply_first is None:
+            apply_first = mx.default_device().type == mx.DeviceType.cpu
+        #: Read step n back before queueing step n+1 (see ``apply_first`` above).
+        self.apply_first = bool(apply_first)
+        self.gather_s = float(gather_s)
         speculates = speculative is not None or draft_model is not None
         #: Most draft tokens per row and step (0: no speculative decoding).
         self._spec_k = num_speculative_tokens if speculates and not slot_bytes else 0
@@ -294,6 +320,7 @@ class Engine:
         self._inbox: list[Sequence] = []
         self._cancels: set[int] = set()
         self._queued = 0  # submitted, not yet admitted (the max_queue cap)
+        self._announced = 0  # announced (Engine.announce), not yet submitted or given up
         self._closing = False
         self._ids = itertools.count(1)
         # Engine thread only: the one writer of request state, and the step in flight.
@@ -372,6 +399,26 @@ class Engine:
             self._lock.notify_all()
         return stream
 
+    def announce(self) -> Callable[[], None]:
+        """Say that a request is on its way (being parsed, templated, tokenized).
+
+        Call the returned function once it has been submitted or given up
+        (it is idempotent; garbage collection counts as giving up). While an
+        announced request is outstanding, an idle engine's first step waits
+        for it (at most ``gather_s``), so that a burst of requests is
+        prefilled together: otherwise its first request takes a step to
+        itself and the rest wait behind it::
+
+            done = engine.announce()
+            try:
+                stream = engine.submit(engine.prepare(request))
+            finally:
+                done()
+        """
+        with self._lock:
+            self._announced += 1
+        return _Announced(self)
+
     async def generate(self, request: ChatRequest | PreparedRequest) -> AsyncIterator[Event]:
         """Submit and iterate; closing the iterator early cancels the request."""
         stream = self.submit(request)
@@ -445,6 +492,8 @@ class Engine:
                 )
             ):
                 self._lock.wait()
+            if self._inbox and self._announced and self._idle():
+                self._gather()
             self._stalled = False
             inbox, self._inbox = self._inbox, []
             cancels, self._cancels = self._cancels, set()
@@ -470,8 +519,22 @@ class Engine:
         self._snapshot_stats()
         return True
 
+    def _idle(self) -> bool:
+        """Nothing admitted and nothing in flight (engine thread)."""
+        return self._inflight is None and not self._scheduler.running
+
+    def _gather(self) -> None:
+        """Wait (lock held) until no announced request is outstanding, at most ``gather_s``."""
+        deadline = time.monotonic() + self.gather_s
+        while self._announced and not self._closing:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                break
+            self._lock.wait(left)
+
     def _step(self) -> None:
-        """Plan and launch the next step, then apply the previous one (see update.py)."""
+        """Plan and build the next step, apply the previous one (see update.py); the
+        new step is queued before that apply, or after it with ``apply_first``."""
         up = self._update
         up.row_hook = self._row_fault_hook
         if self._inflight is not None and self._scheduler.wants_sync():
@@ -500,6 +563,8 @@ class Engine:
                     self._pools.copy_rows(copies)
                     if self._drafter is not None:
                         self._drafter.pools.copy_rows(copies)
+                if self.apply_first:
+                    self._runner.hold()
                 launched = self._launch_isolated(plan)
                 if launched is not None:
                     up.launched(launched)
@@ -514,6 +579,7 @@ class Engine:
         previous, self._inflight = self._inflight, launched
         if previous is not None:
             self._apply(previous)
+        self._runner.release()  # queue what hold() kept back (apply_first)
         if self._disk is not None:
             self._disk.flush()
         if launched is not None and launched.deferred and self._inflight is launched:
@@ -821,6 +887,29 @@ class Engine:
 #: Above this many runs of consecutive ids, blocks read from disk are written with one
 #: indexed assignment instead of one slice per run.
 _MAX_SLICE_RUNS = 16
+
+
+class _Announced:
+    """What :meth:`Engine.announce` returns: call it once the request is submitted
+    or given up (idempotent; garbage collection counts as giving up)."""
+
+    __slots__ = ("_engine",)
+
+    def __init__(self, engine: Engine) -> None:
+        self._engine: Engine | None = engine
+
+    def __call__(self) -> None:
+        engine = self._engine
+        if engine is None:
+            return
+        with engine._lock:  # a Condition over an RLock: safe from __del__ on any thread
+            if self._engine is None:
+                return
+            self._engine = None
+            engine._announced -= 1
+            engine._lock.notify_all()
+
+    __del__ = __call__
 
 
 def _id_runs(ids: list[int]) -> list[tuple[int, int, int]]:

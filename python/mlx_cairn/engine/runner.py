@@ -19,6 +19,13 @@ tokens, the plan's placeholders) before reading step n's tokens back, so
 building the next graph in Python overlaps the forward pass on the device::
 
     execute(1)  execute(2) read(1)  execute(3) read(2)  ...
+
+On the CPU, where ``mx.async_eval`` returns only once nearly all of a step
+has run, that order would hand every token out a step late; there the engine
+builds step n+1 under :meth:`ModelRunner.hold`, reads step n back (its last
+few ops overlap the building), and only then queues step n+1::
+
+    build(2) read(1) queue(2)  build(3) read(2) queue(3)  ...
 """
 
 from __future__ import annotations
@@ -78,9 +85,43 @@ class ModelRunner:
     def __init__(self, model: Any, pools: KVPools) -> None:
         self.model = model
         self.pools = pools
+        #: What :meth:`_queue` was given between :meth:`hold` and :meth:`release`.
+        self._held: list[tuple[mx.array, ...]] | None = None
+
+    def hold(self) -> None:
+        """Build the following executes' graphs without queueing them, until :meth:`release`.
+
+        On the CPU ``mx.async_eval`` runs most of a step before it returns, so
+        the engine reads the previous step back between building and queueing.
+        """
+        self._held = []
+
+    def release(self) -> None:
+        """Queue what was held back (nothing without :meth:`hold`)."""
+        held, self._held = self._held, None
+        for arrays in held or ():
+            mx.async_eval(*arrays)  # one call each, in order (see _execute)
+
+    def _queue(self, *arrays: mx.array) -> None:
+        if self._held is None:
+            mx.async_eval(*arrays)
+        else:
+            self._held.append(arrays)
 
     def execute(self, plan: StepPlan) -> StepOutput:
-        """Build and queue ``plan``'s graph (``mx.async_eval``); nothing is waited for."""
+        """Build and queue ``plan``'s graph (``mx.async_eval``); nothing is waited for.
+
+        Under :meth:`hold` the graph is only built; a failed call leaves nothing held.
+        """
+        mark = len(self._held) if self._held is not None else 0
+        try:
+            return self._execute(plan)
+        except BaseException:
+            if self._held is not None:
+                del self._held[mark:]
+            raise
+
+    def _execute(self, plan: StepPlan) -> StepOutput:
         rows: list[RowPlan] = []
         parts: list[mx.array] = []
         verify_logits: mx.array | None = None
@@ -118,7 +159,16 @@ class ModelRunner:
                     parts.append(logits[: len(dec)])
                 verify_logits = logits[len(dec) :]
             rows.extend(dec)
-        for group in _prefill_groups(list(plan.prefill), ragged=not self.pools.has_state):
+        groups = _prefill_groups(list(plan.prefill), ragged=not self.pools.has_state)
+        for i, group in enumerate(groups):
+            if i > 0 or plan.decode or plan.verify:
+                # Another forward call follows one that wrote and read the pools:
+                # queue that call whole now, before this one's graph is built (held
+                # or not). In one graph MLX may run this call's in-place pool updates
+                # before the last call's reads of the same pools, and then copies
+                # those pools (all of them, 2 GiB here: a mixed decode + prefill step
+                # took 2.0-2.6 s instead of 0.6).
+                mx.async_eval(h, *self.pools.arrays())
             width = max(r.n for r in group)
             ids = []
             for r in group:
@@ -151,9 +201,9 @@ class ModelRunner:
             ]
             tokens_v, counts_v = speculate.verify(verify_logits, verify_rows)
             verified.append((plan.verify, tokens_v, counts_v))
-            mx.async_eval(tokens_v, counts_v)
+            self._queue(tokens_v, counts_v)
         if not rows:
-            mx.async_eval(self.pools.arrays())
+            self._queue(*self.pools.arrays())
             return StepOutput(plan, (), None, verify=verified)
         out = self._execute_sampling(plan, rows, parts)
         out.verify = verified
@@ -174,10 +224,10 @@ class ModelRunner:
                 plan, tuple(rows[i] for i in now), raw[mx.array(now, dtype=mx.int32)]
             )
         else:
-            mx.async_eval(self.pools.arrays())
+            self._queue(*self.pools.arrays())
         out.deferred = tuple(rows[i] for i in later)
         out.deferred_logits = deferred_logits
-        mx.async_eval(deferred_logits)
+        self._queue(deferred_logits)
         return out
 
     def _state_slots(self, rows: Any) -> list[tuple[int, tuple[int, ...]]] | None:
@@ -211,7 +261,7 @@ class ModelRunner:
             processed, [r.seq.prepared.sampling for r in rows], [r.out_index for r in rows]
         )
         lp = _logits.step_logprobs(seqs, raw, sampled)
-        mx.async_eval(sampled, *(lp.arrays() if lp is not None else ()), self.pools.arrays())
+        self._queue(sampled, *(lp.arrays() if lp is not None else ()), *self.pools.arrays())
         return StepOutput(plan, rows, sampled, [(0, lp)] if lp is not None else [])
 
     def read(self, out: StepOutput) -> SampledStep:

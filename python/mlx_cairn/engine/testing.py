@@ -86,6 +86,8 @@ def assert_at_rest(engine: Any, timeout: float = 30.0) -> EngineStats:
     assert not held, f"blocks still referenced at rest: {held[:20]}"
     assert pool.num_free_blocks == pool.num_blocks - 1, (pool.num_free_blocks, pool.num_blocks)
     assert st.blocks_in_use == 0, st
+    announced = getattr(engine, "_announced", 0)
+    assert announced == 0, f"{announced} announced request(s) never submitted nor given up"
     states = engine._scheduler.states
     if states is not None:  # recurrent-state slots: only snapshots hold any
         free = list(states._free)

@@ -1,0 +1,205 @@
+"""Engine: the order of a step's halves, mixed steps' pool updates, and gathering a burst.
+
+- ``apply_first`` (the CPU default): step n is read back and its tokens sent
+  before step n+1 is queued; launch-first queues n+1 before reading n back.
+  Both give the reference tokens.
+- A step with several forward calls (decode rows and prefill chunks) updates
+  the KV pools in place: their buffers never move (a copy of every pool made
+  such a step ~4x slower on this CPU).
+- ``announce``: an idle engine's first step waits for announced requests, so a
+  burst is prefilled in one step; handles are idempotent and never leak.
+"""
+
+from __future__ import annotations
+
+import gc
+import itertools
+import threading
+import time
+from typing import Any
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from mlx_cairn.engine import Engine
+from mlx_cairn.engine import runner as runner_mod
+from mlx_cairn.engine.testing import assert_at_rest, greedy_reference
+from mlx_cairn.models.testing import tiny_model
+from mlx_cairn.types import ChatRequest, Done, Message, SamplingParams
+
+TIMEOUT = 60.0
+
+
+@pytest.fixture(scope="module")
+def lm():
+    return tiny_model("llama", seed=0)
+
+
+def greedy(text: str, max_tokens: int = 12) -> ChatRequest:
+    return ChatRequest(
+        messages=[Message("user", text)],
+        max_tokens=max_tokens,
+        sampling=SamplingParams(temperature=0.0),
+    )
+
+
+def drain(stream) -> list:
+    events = list(stream.iter_sync(timeout=TIMEOUT))
+    assert isinstance(events[-1], Done), events[-1:]
+    return events
+
+
+@pytest.fixture
+def make_engine(lm):
+    engines: list[Engine] = []
+
+    def make(**kw: Any) -> Engine:
+        kw.setdefault("num_blocks", 128)
+        kw.setdefault("block_size", 4)
+        e = Engine(lm, **kw)
+        engines.append(e)
+        return e
+
+    yield make
+    for e in engines:
+        try:
+            assert_at_rest(e)
+        finally:
+            e.close()
+
+
+def record_plans(engine: Engine) -> list[tuple[int, int]]:
+    """(decode rows, prefill chunks) of every step the engine executes from now on."""
+    plans: list[tuple[int, int]] = []
+    execute = engine._runner.execute
+
+    def wrapped(plan):
+        plans.append((len(plan.decode), len(plan.prefill)))
+        return execute(plan)
+
+    engine._runner.execute = wrapped  # type: ignore[method-assign]
+    return plans
+
+
+def test_apply_first_is_the_cpu_default(make_engine):
+    assert mx.default_device().type == mx.DeviceType.cpu
+    assert make_engine().apply_first is True
+    assert make_engine(apply_first=False).apply_first is False
+
+
+class _QueueLog:
+    """``mlx.core`` as runner.py sees it, logging each ``async_eval``."""
+
+    def __init__(self, log: list[str]) -> None:
+        self._log = log
+
+    def async_eval(self, *arrays: Any) -> None:
+        self._log.append("queue")
+        mx.async_eval(*arrays)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(mx, name)
+
+
+@pytest.mark.parametrize("apply_first", [True, False])
+def test_step_order(lm, make_engine, monkeypatch, apply_first):
+    """Apply first: queue(1) apply(1) queue(2) apply(2) ...; launch first: queue(1)
+    queue(2) apply(1) queue(3) apply(2) ... Same tokens either way."""
+    log: list[str] = []
+    monkeypatch.setattr(runner_mod, "mx", _QueueLog(log))
+    engine = make_engine(apply_first=apply_first)
+    apply = engine._apply
+
+    def logged_apply(out):
+        log.append("apply")
+        apply(out)
+
+    engine._apply = logged_apply  # type: ignore[method-assign]
+    req = greedy("Hello world, how are you today?", max_tokens=6)
+    stream = engine.submit(req)
+    drain(stream)
+    ids = engine.prepare(req).prompt_ids
+    assert stream.output_ids == greedy_reference(lm, ids, 6)
+    assert log.count("queue") >= 3 and log.count("apply") >= 3, log
+    doubled = any(a == b == "queue" for a, b in itertools.pairwise(log))
+    if apply_first:
+        assert log[:4] == ["queue", "apply", "queue", "apply"], log
+        assert not doubled, log
+    else:
+        assert log[:3] == ["queue", "queue", "apply"], log
+
+
+def _addresses(engine: Engine) -> tuple[int, ...]:
+    out = []
+    for a in engine._pools.arrays():
+        view = np.asarray(memoryview(a))  # evaluates it; dropped at once (a live view pins it)
+        out.append(view.ctypes.data)
+        del view
+    return tuple(out)
+
+
+@pytest.mark.parametrize("apply_first", [True, False])
+def test_mixed_steps_update_the_pools_in_place(lm, make_engine, apply_first):
+    """Decode rows and new prompts in one step: both forward calls write the pools in place."""
+    engine = make_engine(apply_first=apply_first)
+    seen: list[tuple[int, ...]] = []
+    engine._fault_hook = lambda: seen.append(_addresses(engine))
+    plans = record_plans(engine)
+    first = engine.submit(greedy("A first request that decodes for a while", max_tokens=16))
+    it = first.iter_sync(timeout=TIMEOUT)
+    next(it)  # it is decoding now
+    late = [
+        greedy("Hello world, how are you today? I am fine"),
+        greedy("def add(x, y):\n    return x + y"),
+    ]
+    streams = [engine.submit(r) for r in late]
+    assert isinstance(list(it)[-1], Done)
+    for r, s in zip(late, streams, strict=True):
+        drain(s)
+        assert s.output_ids == greedy_reference(lm, engine.prepare(r).prompt_ids, r.max_tokens)
+    assert any(d and p for d, p in plans), f"no step mixed decode and prefill: {plans}"
+    assert len(set(seen)) == 1, "a step moved the KV pools (copied them) instead of updating them"
+
+
+def test_an_idle_engine_gathers_announced_requests(make_engine):
+    engine = make_engine(gather_s=10.0)
+    plans = record_plans(engine)
+    done_a, done_b = engine.announce(), engine.announce()
+    a = engine.submit(greedy("The first of a burst"))
+    done_a()
+    time.sleep(0.2)  # the engine is waiting for b, which is still being "prepared"
+    assert plans == []
+    b = engine.submit(greedy("The second of a burst, a little later"))
+    done_b()
+    drain(a)
+    drain(b)
+    assert plans[0] == (0, 2), plans  # both prompts in the first step
+
+
+def test_gathering_is_bounded_and_handles_never_leak(make_engine):
+    engine = make_engine(gather_s=0.05)
+    stuck = engine.announce()  # announced, never submitted: the engine waits 50 ms, not forever
+    drain(engine.submit(greedy("Alone")))
+    assert engine._announced == 1
+    stuck()
+    stuck()  # idempotent
+    assert engine._announced == 0
+    dropped = engine.announce()
+    assert engine._announced == 1
+    del dropped
+    gc.collect()
+    assert engine._announced == 0
+    handles = [engine.announce() for _ in range(64)]
+    threads = [threading.Thread(target=h) for h in handles for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert engine._announced == 0
+
+
+@pytest.mark.parametrize("bad", [-1, 11, "1", None])
+def test_gather_s_is_checked(lm, bad):
+    with pytest.raises(ValueError, match="gather_s"):
+        Engine(lm, num_blocks=16, gather_s=bad)
