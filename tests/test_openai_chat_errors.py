@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import http.client
 import json
+import threading
 from collections.abc import Iterator
 from typing import Any
 
@@ -172,22 +173,28 @@ def test_queue_full_is_429_with_retry_after(env: dict[str, Any]) -> None:
 def test_stream_disconnect_cancels_and_frees(env: dict[str, Any]) -> None:
     eng, blocker = env["engines"]["scripted"], env["blockers"]["scripted"]
     before = eng.stats().requests_cancelled
-    # A token goes out, then the engine is held mid-generation: while it pushes the
-    # second one, so the first is out and the client's hang-up can only be seen
-    # while it is held (a hold counted in steps would race the hang-up).
-    pushes = 0
+    # A token goes out, then the engine is held before it looks at its inbox again
+    # (right after that step's read-back queues the next step), so the client's
+    # hang-up can only be seen while it is held. A hold at a later push would race
+    # the hang-up: the engine checks for cancels between any two pushes.
+    pushed = threading.Event()
 
-    def hold(phase: str, seq: Any) -> None:
-        nonlocal pushes
+    def on_push(phase: str, seq: Any) -> None:
         if phase == "push":
-            pushes += 1
-            if pushes == 2:
-                blocker.entered.set()
-                blocker.release.wait(30)
+            pushed.set()
+
+    release = eng._runner.release
+
+    def held_release() -> None:
+        release()
+        if pushed.is_set() and not blocker.entered.is_set():
+            blocker.entered.set()
+            blocker.release.wait(30)
 
     blocker.entered.clear()
     blocker.release.clear()
-    eng._row_fault_hook = hold
+    eng._row_fault_hook = on_push
+    eng._runner.release = held_release
     try:
         body = ok_body(messages=user(say("x " * 200)), max_tokens=300, stream=True)
         with httpx.stream(
@@ -200,6 +207,7 @@ def test_stream_disconnect_cancels_and_frees(env: dict[str, Any]) -> None:
         settle_cancel(eng, blocker, before)
     finally:
         eng._row_fault_hook = None
+        del eng._runner.release
 
 
 def test_non_stream_disconnect_cancels_too(env: dict[str, Any]) -> None:

@@ -56,6 +56,11 @@ class DraftModel:
             todo = [b for b in range(len(rows)) if pos[b] < known[b]]
             if not todo:
                 break
+            if pos != starts:
+                # The last chunk's graph first: built into one graph, its pool reads
+                # may be scheduled after this chunk's in-place writes, and MLX would
+                # copy the pools (engine/runner.py does the same between calls).
+                mx.async_eval(h, *self.pools.arrays())
             lens = [min(CATCH_UP_CHUNK, known[b] - pos[b]) for b in todo]
             width = max(lens)
             ids = [
