@@ -52,11 +52,12 @@ class DraftModel:
         # Catch-up: every row feeds its stale tokens; the last chunk's logits give draft 1.
         logits: list[mx.array | None] = [None] * len(rows)
         pos = list(starts)
+        h: mx.array | None = None  # the last catch-up chunk's hidden states
         while True:
             todo = [b for b in range(len(rows)) if pos[b] < known[b]]
             if not todo:
                 break
-            if pos != starts:
+            if h is not None:
                 # The last chunk's graph first: built into one graph, its pool reads
                 # may be scheduled after this chunk's in-place writes, and MLX would
                 # copy the pools (engine/runner.py does the same between calls).
