@@ -9,7 +9,11 @@ import time
 import pytest
 
 from mlx_cairn.engine import Engine
-from mlx_cairn.engine.testing import assert_at_rest, greedy_reference, reference_ids
+from mlx_cairn.engine.testing import (
+    engines_at_rest,
+    greedy_reference,
+    reference_ids,
+)
 from mlx_cairn.errors import QueueFull
 from mlx_cairn.models.testing import tiny_model
 from mlx_cairn.types import ChatRequest, Done, Error, Message, SamplingParams, TextDelta
@@ -66,21 +70,8 @@ def wait_for(cond, timeout: float = TIMEOUT) -> None:
 
 @pytest.fixture
 def make_engine(lm):
-    engines: list[Engine] = []
-
-    def make(**kw) -> Engine:
-        kw.setdefault("num_blocks", 256)
-        kw.setdefault("block_size", 4)
-        e = Engine(lm, **kw)
-        engines.append(e)
-        return e
-
-    yield make
-    for e in engines:
-        try:
-            assert_at_rest(e)
-        finally:
-            e.close()
+    with engines_at_rest(lm, num_blocks=256, block_size=4) as make:
+        yield make
 
 
 @pytest.mark.parametrize("budget", [8, 512])

@@ -24,7 +24,7 @@ import pytest
 
 from mlx_cairn.engine import Engine
 from mlx_cairn.engine import runner as runner_mod
-from mlx_cairn.engine.testing import assert_at_rest, greedy_reference
+from mlx_cairn.engine.testing import engines_at_rest, greedy_reference
 from mlx_cairn.models.testing import tiny_model
 from mlx_cairn.types import ChatRequest, Done, Message, SamplingParams
 
@@ -52,21 +52,8 @@ def drain(stream) -> list:
 
 @pytest.fixture
 def make_engine(lm):
-    engines: list[Engine] = []
-
-    def make(**kw: Any) -> Engine:
-        kw.setdefault("num_blocks", 128)
-        kw.setdefault("block_size", 4)
-        e = Engine(lm, **kw)
-        engines.append(e)
-        return e
-
-    yield make
-    for e in engines:
-        try:
-            assert_at_rest(e)
-        finally:
-            e.close()
+    with engines_at_rest(lm, num_blocks=128, block_size=4) as make:
+        yield make
 
 
 def record_plans(engine: Engine) -> list[tuple[int, int]]:

@@ -58,10 +58,7 @@ class DraftModel:
             if not todo:
                 break
             if h is not None:
-                # The last chunk's graph first: built into one graph, its pool reads
-                # may be scheduled after this chunk's in-place writes, and MLX would
-                # copy the pools (engine/runner.py does the same between calls).
-                mx.async_eval(h, *self.pools.arrays())
+                self.pools.queue_call(h)  # the last chunk first (KVPools.queue_call)
             lens = [min(CATCH_UP_CHUNK, known[b] - pos[b]) for b in todo]
             width = max(lens)
             ids = [

@@ -219,6 +219,18 @@ class KVPools:
             for j, (_, dst, n) in enumerate(copies):
                 pool[:, dst, :n] = got[:, j, :n]
 
+    def queue_call(self, outputs: mx.array) -> None:
+        """Queue a forward call over the pools (its ``outputs`` and its pool writes)
+        before another call over them is built.
+
+        Built into one graph, the second call's in-place pool updates may be
+        scheduled before the first call's reads of the same pools; MLX then
+        cannot donate those buffers and copies them: every pool, 2 GiB for the
+        default model here, turning a 0.4-0.7 s step into 2.0-2.6 s
+        (bench/RESULTS.md, issue 17).
+        """
+        mx.async_eval(outputs, *self.arrays())
+
     def arrays(self) -> list[mx.array]:
         """Every pool array (to evaluate after a step)."""
         out = [a for a in (*self.k, *self.v) if a is not None]

@@ -86,7 +86,7 @@ class ModelRunner:
         self.model = model
         self.pools = pools
         #: What :meth:`_queue` was given between :meth:`hold` and :meth:`release`.
-        self._held: list[tuple[mx.array, ...]] | None = None
+        self._held: list[mx.array] | None = None
 
     def hold(self) -> None:
         """Build the following executes' graphs without queueing them, until :meth:`release`.
@@ -99,14 +99,14 @@ class ModelRunner:
     def release(self) -> None:
         """Queue what was held back (nothing without :meth:`hold`)."""
         held, self._held = self._held, None
-        for arrays in held or ():
-            mx.async_eval(*arrays)  # one call each, in order (see _execute)
+        if held:
+            mx.async_eval(held)
 
     def _queue(self, *arrays: mx.array) -> None:
         if self._held is None:
             mx.async_eval(*arrays)
         else:
-            self._held.append(arrays)
+            self._held.extend(arrays)
 
     def execute(self, plan: StepPlan) -> StepOutput:
         """Build and queue ``plan``'s graph (``mx.async_eval``); nothing is waited for.
@@ -162,13 +162,7 @@ class ModelRunner:
         groups = _prefill_groups(list(plan.prefill), ragged=not self.pools.has_state)
         for i, group in enumerate(groups):
             if i > 0 or plan.decode or plan.verify:
-                # Another forward call follows one that wrote and read the pools:
-                # queue that call whole now, before this one's graph is built (held
-                # or not). In one graph MLX may run this call's in-place pool updates
-                # before the last call's reads of the same pools, and then copies
-                # those pools (all of them, 2 GiB here: a mixed decode + prefill step
-                # took 2.0-2.6 s instead of 0.6).
-                mx.async_eval(h, *self.pools.arrays())
+                self.pools.queue_call(h)  # now, held or not: the last call went first
             width = max(r.n for r in group)
             ids = []
             for r in group:

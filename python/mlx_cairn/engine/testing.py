@@ -10,7 +10,7 @@ Example::
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
@@ -101,6 +101,31 @@ def assert_at_rest(engine: Any, timeout: float = 30.0) -> EngineStats:
             sorted(set(range(1, states.num_slots)) - set(free) - set(snaps)),
         )
     return st
+
+
+@contextmanager
+def engines_at_rest(loaded: Any, **defaults: Any) -> Iterator[Callable[..., Any]]:
+    """A factory of engines over ``loaded`` (``defaults`` for keywords not given);
+    at exit each engine is checked at rest, then closed (a pytest fixture's body)::
+
+        with engines_at_rest(lm, num_blocks=256, block_size=4) as make:
+            yield make
+    """
+    from mlx_cairn.engine.engine import Engine
+
+    engines: list[Any] = []
+
+    def make(**kw: Any) -> Any:
+        engine = Engine(loaded, **{**defaults, **kw})
+        engines.append(engine)
+        return engine
+
+    yield make
+    for engine in engines:
+        try:
+            assert_at_rest(engine)
+        finally:
+            engine.close()
 
 
 @contextmanager
