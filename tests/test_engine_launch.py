@@ -117,9 +117,9 @@ def test_step_order(lm, make_engine, monkeypatch, apply_first):
         assert log[:3] == ["queue", "queue", "apply"], log
 
 
-def _addresses(engine: Engine) -> tuple[int, ...]:
+def _addresses(arrays: list[mx.array]) -> tuple[int, ...]:
     out = []
-    for a in engine._pools.arrays():
+    for a in arrays:
         view = np.asarray(memoryview(a))  # evaluates it; dropped at once (a live view pins it)
         out.append(view.ctypes.data)
         del view
@@ -131,7 +131,8 @@ def test_mixed_steps_update_the_pools_in_place(lm, make_engine, apply_first):
     """Decode rows and new prompts in one step: both forward calls write the pools in place."""
     engine = make_engine(apply_first=apply_first)
     seen: list[tuple[int, ...]] = []
-    engine._fault_hook = lambda: seen.append(_addresses(engine))
+    pools = engine._pools
+    engine._fault_hook = lambda: seen.append(_addresses([*pools.k, *pools.v]))
     plans = record_plans(engine)
     first = engine.submit(greedy("A first request that decodes for a while", max_tokens=16))
     it = first.iter_sync(timeout=TIMEOUT)
@@ -147,6 +148,61 @@ def test_mixed_steps_update_the_pools_in_place(lm, make_engine, apply_first):
         assert s.output_ids == greedy_reference(lm, engine.prepare(r).prompt_ids, r.max_tokens)
     assert any(d and p for d, p in plans), f"no step mixed decode and prefill: {plans}"
     assert len(set(seen)) == 1, "a step moved the KV pools (copied them) instead of updating them"
+
+
+@pytest.mark.parametrize("apply_first", [True, False])
+def test_decode_steps_write_their_mirror_in_place(lm, make_engine, apply_first):
+    """Consecutive decode steps of the same rows attend over one mirror, written in place."""
+    engine = make_engine(apply_first=apply_first)
+    pools = engine._pools
+    pools.mirror_min_positions = 0  # the default spares short rows the mirror
+    seen: list[tuple[int, tuple[int, ...]]] = []
+
+    def hook() -> None:  # before each step's forward calls: the last step's mirror
+        if (m := pools.mirror) is not None:
+            seen.append((id(m), _addresses(m.arrays())))
+
+    engine._fault_hook = hook
+    req = greedy("Tell me a story about a cat", max_tokens=24)
+    stream = engine.submit(req)
+    drain(stream)
+    assert stream.output_ids == greedy_reference(lm, engine.prepare(req).prompt_ids, 24)
+    assert len(seen) >= 20, seen
+    assert len(set(seen)) == 1, "a decode step rebuilt or copied its mirror"
+    assert pools.mirror is None  # dropped once the engine went idle
+
+
+def test_rows_that_leave_and_join_rebuild_the_mirror(lm, make_engine):
+    """A decode mirror follows its rows: one ending or arriving makes the next call rebuild it."""
+    engine = make_engine()
+    pools = engine._pools
+    pools.mirror_min_positions = 0
+    built: list[int] = []
+    mirror_for = pools.mirror_for
+
+    def recording(rows, starts):
+        before = pools.mirror
+        got = mirror_for(rows, starts)
+        if got is not None and got is not before:
+            built.append(len(rows))
+        return got
+
+    pools.mirror_for = recording
+    reqs = [
+        greedy(f"Request number {i} says hello", max_tokens=n) for i, n in enumerate((4, 9, 14))
+    ]
+    streams = [engine.submit(r) for r in reqs]
+    it = streams[0].iter_sync(timeout=TIMEOUT)
+    next(it)  # decoding now
+    late = greedy("A late one, joining the others", max_tokens=8)
+    streams.append(engine.submit(late))
+    assert isinstance(list(it)[-1], Done)
+    for r, s in zip([*reqs, late], streams, strict=True):
+        if s is not streams[0]:
+            drain(s)
+        assert s.output_ids == greedy_reference(lm, engine.prepare(r).prompt_ids, r.max_tokens)
+    assert len(built) >= 3, built  # at least: first rows, a row leaving, the late one joining
+    assert pools.mirror is None
 
 
 def test_an_idle_engine_gathers_announced_requests(make_engine):

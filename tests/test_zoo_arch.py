@@ -64,7 +64,18 @@ def test_batched_paged_greedy_equals_mlx_lm(model_type):
     assert len({t for v in want.values() for t in v}) > 3, want
 
     # A small step budget chunks the prefills (windows cross chunk and block edges).
-    engine = Engine(lm, num_blocks=128, block_size=4, step_token_budget=16)
+    engine = Engine(lm, num_blocks=512, block_size=4, step_token_budget=16)
+    # Decode rows attend over a mirror whatever their length (the default spares short rows).
+    engine._pools.mirror_min_positions = 0
+    mirrored = []
+    mirror_for = engine._pools.mirror_for
+
+    def recording(rows, starts):
+        got = mirror_for(rows, starts)
+        mirrored.append(got is not None)
+        return got
+
+    engine._pools.mirror_for = recording
     with closing_at_rest(engine):
         base = engine.prepare(
             ChatRequest(
@@ -84,3 +95,4 @@ def test_batched_paged_greedy_equals_mlx_lm(model_type):
         assert dones[names.index("prefix")].usage.cached_tokens == 24
         assert engine.stats().prefix_hit_tokens >= 24
     assert got == want
+    assert sum(mirrored) >= MAX_TOKENS, mirrored

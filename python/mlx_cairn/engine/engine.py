@@ -80,6 +80,10 @@ DEFAULT_HYBRID_MAX_BATCH = 16
 #: before templating it; a burst of 16 reached the engine over ~40 ms here, while
 #: a prefill step for its first request alone takes 150-250 ms.
 DEFAULT_GATHER_S = 0.05
+#: ... and, once none is outstanding, how long it waits for one more to be
+#: announced (32 connections opened at once are read one after another: the
+#: first request can be templated and submitted before the next is announced).
+GATHER_SETTLE_S = 0.01
 
 #: Default memory for the state snapshots of a hybrid model.
 DEFAULT_SNAPSHOT_BYTES = 1 << 30
@@ -144,8 +148,10 @@ class Engine:
             delivers every token one step late (bench/RESULTS.md, issue 17).
         gather_s: when the engine is idle and requests arrive while others are
             announced (:meth:`announce`: being templated and tokenized), the
-            first step waits up to this long for them, so that a burst is
-            prefilled in one step rather than its first request alone.
+            first step waits up to this long for them (and :data:`GATHER_SETTLE_S`
+            for one more after the last), so that a burst is prefilled in one
+            step rather than its first request alone. Only engines that have
+            had an announcement wait.
     """
 
     def __init__(
@@ -321,6 +327,7 @@ class Engine:
         self._cancels: set[int] = set()
         self._queued = 0  # submitted, not yet admitted (the max_queue cap)
         self._announced = 0  # announced (Engine.announce), not yet submitted or given up
+        self._announces = 0  # announcements ever made
         self._closing = False
         self._ids = itertools.count(1)
         # Engine thread only: the one writer of request state, and the step in flight.
@@ -417,6 +424,7 @@ class Engine:
         """
         with self._lock:
             self._announced += 1
+            self._announces += 1
         return _Announced(self)
 
     async def generate(self, request: ChatRequest | PreparedRequest) -> AsyncIterator[Event]:
@@ -492,7 +500,7 @@ class Engine:
                 )
             ):
                 self._lock.wait()
-            if self._inbox and self._announced and self._idle():
+            if self._inbox and self._announces and self._idle():
                 self._gather()
             self._stalled = False
             inbox, self._inbox = self._inbox, []
@@ -524,13 +532,20 @@ class Engine:
         return self._inflight is None and not self._scheduler.running
 
     def _gather(self) -> None:
-        """Wait (lock held) until no announced request is outstanding, at most ``gather_s``."""
+        """Wait (lock held) until no announced request is outstanding and none more is
+        announced for :data:`GATHER_SETTLE_S`, at most ``gather_s`` in all."""
         deadline = time.monotonic() + self.gather_s
-        while self._announced and not self._closing:
+        while not self._closing:
             left = deadline - time.monotonic()
             if left <= 0:
                 break
-            self._lock.wait(left)
+            if self._announced:
+                self._lock.wait(left)
+                continue
+            seen = self._announces
+            self._lock.wait(min(left, GATHER_SETTLE_S))
+            if self._announces == seen:
+                break
 
     def _step(self) -> None:
         """Plan and build the next step, apply the previous one (see update.py); the
@@ -580,6 +595,8 @@ class Engine:
         if previous is not None:
             self._apply(previous)
         self._runner.release()  # queue what hold() kept back (apply_first)
+        if self._idle():
+            self._pools.mirror = None  # no decode rows left: free its memory
         if self._disk is not None:
             self._disk.flush()
         if launched is not None and launched.deferred and self._inflight is launched:
@@ -741,6 +758,7 @@ class Engine:
     def _recover_pools(self) -> None:
         # Writes of a failed step may still be pending in the pool graphs; they
         # only touch blocks of the failed rows, so materialize them and move on.
+        self._pools.mirror = None
         try:
             mx.eval(self._pools.arrays())
         except Exception:  # pragma: no cover - the graph itself is broken

@@ -42,6 +42,12 @@ DEFAULT_MEMORY_FRACTION = 0.25
 DEFAULT_MAX_BYTES = 2 << 30
 #: Never leave less than this fraction of available memory when sizing explicitly.
 MAX_MEMORY_FRACTION = 0.9
+#: A decode mirror (:class:`DecodeMirror`) may take at most this fraction of the pools' bytes.
+MIRROR_FRACTION = 0.5
+#: ... and is made only for calls whose rows attend to at least this many positions in all:
+#: below it, writing every layer's K/V twice costs about what the gather it saves does
+#: (bench/RESULTS.md, "A decode mirror").
+MIRROR_MIN_POSITIONS = 2048
 
 
 def available_memory_bytes() -> int:
@@ -153,11 +159,15 @@ class KVPools:
         self.block_size = block_size
         self.dtype = dtype
         self.num_slots = num_slots if any(s.state for s in self.layers) else 0
+        #: The rows of the last decode call, contiguous (see :meth:`mirror_for`).
+        self.mirror: DecodeMirror | None = None
+        self.mirror_min_positions = MIRROR_MIN_POSITIONS
         self.reset()
 
     def reset(self) -> None:
         """Fresh zeroed pools (pending writes to the old ones are dropped)."""
         n, bs = self.num_blocks, self.block_size
+        self.mirror = None
 
         def kv(s: LayerSpec, d: int) -> mx.array | None:
             return mx.zeros((s.kv_heads, n, bs, d), dtype=self.dtype) if s.has_kv else None
@@ -232,12 +242,85 @@ class KVPools:
         mx.async_eval(outputs, *self.arrays())
 
     def arrays(self) -> list[mx.array]:
-        """Every pool array (to evaluate after a step)."""
+        """Every pool array and the mirror's (to evaluate after a step)."""
         out = [a for a in (*self.k, *self.v) if a is not None]
         for arrs in self.state:
             if arrs:
                 out.extend(arrs)
+        if self.mirror is not None:
+            out.extend(self.mirror.arrays())
         return out
+
+    def mirror_for(self, rows: tuple[object, ...], starts: Seq[int]) -> DecodeMirror | None:
+        """The mirror a decode call (one new token per row) over ``rows`` at ``starts`` uses.
+
+        The last call's mirror when it held the same rows (by identity, in the
+        same order), each now one position further, and has room; else a new
+        one, filled by that call's gather, with room for about half as many
+        positions again; None when the rows' contexts are short (under
+        ``mirror_min_positions`` in all) or it would take more than
+        :data:`MIRROR_FRACTION` of the pools' bytes (the call then gathers, as
+        every call without a mirror does).
+        """
+        st = np.asarray(starts, dtype=np.int64)
+        m = self.mirror
+        if (
+            m is not None
+            and len(m.rows) == len(rows)
+            and all(a is b for a, b in zip(m.rows, rows, strict=True))
+            and np.array_equal(st, m.starts + 1)
+            and int(st.max()) < m.cap
+        ):
+            m.starts = st
+            return m
+        self.mirror = None
+        bs = self.block_size
+        need = int(st.max()) + 1
+        per_position = sum(
+            s.bytes_per_token(self.dtype.size) for s in self.layers if s.has_kv and s.window is None
+        )
+        budget = (
+            self.nbytes * MIRROR_FRACTION if len(rows) * need >= self.mirror_min_positions else 0
+        )
+        for cap in (need + max(64, need // 2), need):
+            cap = -(-cap // bs) * bs
+            if per_position and len(rows) * cap * per_position <= budget:
+                self.mirror = DecodeMirror(rows, st, cap, self.num_layers)
+                break
+        return self.mirror
+
+
+class DecodeMirror:
+    """The K/V of one decode batch's rows, contiguous per global layer, kept between steps.
+
+    Without it every decode step gathers every row's blocks, in every layer,
+    into a fresh ``[kv_heads, B, T, dim]`` array: the whole context is copied
+    per generated token (at 16 rows x 96 positions ~10% of a step on the
+    2-core CPU; at 1 row x 20 k positions ~1 GB per token). Consecutive decode
+    calls over the same rows, each one position further, share one mirror per
+    layer, ``[kv_heads, B, cap, dim]``: the first call fills it by gathering,
+    the next ones write their new K/V into it as well as into the pools
+    (in place, like the pools) and attend over its first T positions. Any other
+    call (new rows, a verify or prefill call, a failed one) drops it. Positions
+    past a row's context hold anything; the mask hides them, as it hides the
+    null block.
+    """
+
+    __slots__ = ("cap", "k", "rows", "starts", "v")
+
+    def __init__(self, rows: tuple[object, ...], starts: np.ndarray, cap: int, layers: int) -> None:
+        self.rows = rows
+        self.starts = starts  # [B] the position each row wrote in the last call
+        self.cap = cap
+        self.k: list[mx.array | None] = [None] * layers
+        self.v: list[mx.array | None] = [None] * layers
+
+    @property
+    def nbytes(self) -> int:
+        return sum(a.nbytes for a in (*self.k, *self.v) if a is not None)
+
+    def arrays(self) -> list[mx.array]:
+        return [a for a in (*self.k, *self.v) if a is not None]
 
 
 class _View:
@@ -275,6 +358,8 @@ class PagedKVCache:
         lengths: new tokens per row (an int: the same L for every row).
         state_slots: per row, ``(read slot, write slots)`` of its recurrent
             state (models with recurrent layers only).
+        mirror: for a decode call (one new token per row), the rows' mirror
+            from :meth:`KVPools.mirror_for`: global layers attend over it.
 
     State writes are held until :meth:`commit` (after the whole graph is
     built), so a forward pass that raises midway writes no state: a recurrent
@@ -288,6 +373,7 @@ class PagedKVCache:
         offsets: Seq[int],
         lengths: int | Seq[int],
         state_slots: Seq[tuple[int, Seq[int]]] | None = None,
+        mirror: DecodeMirror | None = None,
     ) -> None:
         bs = pools.block_size
         self.pools = pools
@@ -316,6 +402,15 @@ class PagedKVCache:
         self._w_block = mx.array(w_block.reshape(-1).astype(np.int32))
         self._w_row = mx.array((pos % bs).reshape(-1).astype(np.int32))
         self._offsets = mx.array(offs.astype(np.int32))
+        self._mirror = mirror
+        if mirror is not None:
+            if length != 1 or len(mirror.rows) != batch:
+                raise ValueError("a mirror serves decode calls only (one token per row)")
+            # The gather that fills it covers all of its positions.
+            wide = np.zeros((batch, mirror.cap // bs), dtype=np.int32)
+            wide[:, :nblk] = tables
+            self._mirror_tables = mx.array(wide)
+            self._mirror_rows = mx.arange(batch, dtype=mx.int32)
         self._views: dict[int | None, _View] = {
             None: _View(mx.array(tables), np.arange(nblk * bs)[None, :])
         }
@@ -421,12 +516,39 @@ class PagedKVCache:
         # In-place scatter: the pool array is donated, nothing is copied.
         k_pool[:, self._w_block, self._w_row] = k_rows
         v_pool[:, self._w_block, self._w_row] = v_rows
+        if self._mirror is not None and geometry is None:
+            return self._through_mirror(layer, k_rows, v_rows, keys.dtype, values.dtype)
         tables = self.view(geometry).tables
         # [kvh, B, nblk, bs, d] -> [B, kvh, nblk*bs, d]: one copy (the gather), each
         # (row, head) matrix contiguous.
         k_all = k_pool[:, tables].reshape(h, b, -1, dk).transpose(1, 0, 2, 3)
         v_all = v_pool[:, tables].reshape(h, b, -1, dv).transpose(1, 0, 2, 3)
         return _as(k_all, keys.dtype), _as(v_all, values.dtype)
+
+    def _through_mirror(
+        self, layer: int, k_rows: mx.array, v_rows: mx.array, k_dtype: mx.Dtype, v_dtype: mx.Dtype
+    ) -> tuple[mx.array, mx.array]:
+        """A decode call's global layer: the new K/V [kvh, B, d] into the mirror (already in
+        the pools), and the mirror's first T positions as [B, kvh, T, d]."""
+        m = self._mirror
+        assert m is not None
+        out = []
+        for side, rows, pool, dtype in (
+            (m.k, k_rows, self.pools.k[layer], k_dtype),
+            (m.v, v_rows, self.pools.v[layer], v_dtype),
+        ):
+            assert pool is not None
+            h, _, d = rows.shape
+            b = len(m.rows)
+            held = side[layer]
+            if held is None:
+                held = pool[:, self._mirror_tables].reshape(h, b, m.cap, d)
+            else:
+                held[:, self._mirror_rows, self._offsets] = rows
+            side[layer] = held
+            t = self._np_tables.shape[1] * self.pools.block_size
+            out.append(_as(held[:, :, :t].transpose(1, 0, 2, 3), dtype))
+        return out[0], out[1]
 
     def update_and_fetch(
         self, layer: int, keys: mx.array, values: mx.array

@@ -117,6 +117,7 @@ class ModelRunner:
         try:
             return self._execute(plan)
         except BaseException:
+            self.pools.mirror = None  # it may hold some layers of the failed call
             if self._held is not None:
                 del self._held[mark:]
             raise
@@ -125,6 +126,13 @@ class ModelRunner:
         rows: list[RowPlan] = []
         parts: list[mx.array] = []
         verify_logits: mx.array | None = None
+        mirror = None
+        if plan.decode and not plan.verify:
+            mirror = self.pools.mirror_for(
+                tuple(r.seq for r in plan.decode), [r.start for r in plan.decode]
+            )
+        else:
+            self.pools.mirror = None
         if plan.decode or plan.verify:
             # Decode and verify rows share one forward call (one read of the weights):
             # a decode row is a verify row without a draft, padded to the widest.
@@ -141,6 +149,7 @@ class ModelRunner:
                 [r.start for r in both],
                 [r.n for r in both] if width > 1 else 1,
                 self._state_slots(both),
+                mirror,
             )
             h = self.model(tokens, cache)
             cache.commit()

@@ -88,6 +88,7 @@ def assert_at_rest(engine: Any, timeout: float = 30.0) -> EngineStats:
     assert st.blocks_in_use == 0, st
     announced = getattr(engine, "_announced", 0)
     assert announced == 0, f"{announced} announced request(s) never submitted nor given up"
+    assert engine._pools.mirror is None, "a decode mirror outlived its rows"
     states = engine._scheduler.states
     if states is not None:  # recurrent-state slots: only snapshots hold any
         free = list(states._free)
