@@ -11,7 +11,10 @@ One forward call covers B rows of L new tokens each. :class:`PagedKVCache`
 writes the new K/V rows at their slots, then gathers each row's blocks into
 a contiguous ``[B, kv_heads, T, head_dim]`` view (T = the longest row's block
 count x block_size; shorter rows are padded with the null block and masked)
-for ``mx.fast.scaled_dot_product_attention``.
+for ``mx.fast.scaled_dot_product_attention``. Decode calls over long contexts
+skip that gather: consecutive ones over the same rows keep the gathered
+arrays between steps and write each new position into them as well
+(:class:`DecodeMirror`).
 
 Recurrent layers (hybrids: Gated DeltaNet, Mamba, short convolutions) keep a
 fixed-size state per sequence instead of KV rows. Their arrays live in state
@@ -295,8 +298,9 @@ class DecodeMirror:
 
     Without it every decode step gathers every row's blocks, in every layer,
     into a fresh ``[kv_heads, B, T, dim]`` array: the whole context is copied
-    per generated token (at 16 rows x 96 positions ~10% of a step on the
-    2-core CPU; at 1 row x 20 k positions ~1 GB per token). Consecutive decode
+    per generated token (one row of 12 k positions: 550 MB per token for the
+    default model, its decode step 1.25x slower than over a mirror on the
+    2-core CPU; bench/RESULTS.md, "A decode mirror"). Consecutive decode
     calls over the same rows, each one position further, share one mirror per
     layer, ``[kv_heads, B, cap, dim]``: the first call fills it by gathering,
     the next ones write their new K/V into it as well as into the pools
