@@ -9,11 +9,15 @@ and feeds them with it in one verify row of the step (``RowPlan.draft``)::
     output:   d1 .. da, then one token from p_a (the correction, or a bonus
               token when every draft was accepted)
 
-Greedy rows accept ``d_i`` exactly when it is p_(i-1)'s argmax, so their
-output is token for token the output without speculation. Sampled rows use
-speculative sampling for a proposal that puts all its mass on ``d_i``: accept
-with probability p(d_i), else sample from p with ``d_i`` removed; the output
-keeps the model's distribution (tests check it on a small vocabulary).
+Every position is sampled exactly as without speculation (greedy rows take
+the argmax, sampled rows draw with their seed at that output index), and
+``d_i`` is accepted when it is the token drawn there. So a row's output is
+token for token its output without speculation, whatever was drafted and
+whatever else is batched (up to the logits' float rounding). For a draft
+that puts all its mass on one token this accepts with probability p(d_i),
+as speculative sampling's accept-or-resample does, whose output would
+instead depend on the drafts (tests check the distribution on a small
+vocabulary).
 Rejected positions roll back: ``num_computed`` stops after the accepted ones,
 their KV rows are rewritten by later steps, their surplus blocks are freed and
 never registered in the prefix cache (engine/update.py).
@@ -35,8 +39,8 @@ from dataclasses import dataclass
 import mlx.core as mx
 import numpy as np
 
-from mlx_cairn.engine.sampler import filtered_probs, row_uniform
-from mlx_cairn.types import GREEDY_BELOW_TEMPERATURE, SamplingParams
+from mlx_cairn.engine.sampler import sample_rows
+from mlx_cairn.types import SamplingParams
 
 #: Longest and shortest n-gram the prompt lookup matches.
 NGRAM_MAX = 24
@@ -46,8 +50,6 @@ PAUSE_TOKENS = 16
 PAUSE_MAX_TOKENS = 512
 #: A draft slot a draft model fills in before the step runs (engine/draft.py).
 DRAFT_SLOT = -1
-#: The accept draws use a stream apart from the sampler's (keyed by the same seed).
-_ACCEPT_STREAM = 0x5EC0_11A7_E000_0001
 
 
 class NgramProposer:
@@ -219,55 +221,14 @@ def verify(logits: mx.array, rows: list[VerifyRow]) -> tuple[mx.array, mx.array]
         k = len(r.draft)
         idx[b] = r.offset + np.minimum(np.arange(width), k)
         target[b, :k] = r.draft
-    tgt = mx.array(target)
     rows_logits = logits[mx.array(idx)]  # [R, W, V]
-    greedy = mx.argmax(rows_logits, axis=-1).astype(mx.int32)
-    sampled_rows = [
-        b for b, r in enumerate(rows) if r.sampling.temperature >= GREEDY_BELOW_TEMPERATURE
-    ]
-    accept = greedy == tgt
-    cand = greedy
-    if sampled_rows:
-        s_accept, s_cand = _speculative_sample(rows_logits, rows, target, width)
-        is_sampled = np.zeros((R, 1), dtype=bool)
-        is_sampled[sampled_rows] = True
-        pick = mx.array(is_sampled)
-        accept = mx.where(pick, s_accept, accept)
-        cand = mx.where(pick, s_cand, cand)
-    accept = accept & (tgt >= 0)
+    # Each position drawn as a plain decode step at that output index would draw it.
+    drawn = sample_rows(
+        rows_logits.reshape(R * width, -1),
+        [r.sampling for r in rows for _ in range(width)],
+        [r.out_index + i for r in rows for i in range(width)],
+    ).reshape(R, width)
+    accept = (drawn == mx.array(target)) & mx.array(target >= 0)
     counts = mx.cumprod(accept.astype(mx.int32), axis=1).sum(axis=1)
-    pos = mx.arange(width, dtype=mx.int32)[None, :]
-    tokens = mx.where(pos < counts[:, None], tgt, cand)
-    return tokens, counts
-
-
-def _speculative_sample(
-    rows_logits: mx.array, rows: list[VerifyRow], target: np.ndarray, width: int
-) -> tuple[mx.array, mx.array]:
-    """Accept flags and correction samples [R, W] for sampled rows (greedy rows get
-    values that :func:`verify` ignores)."""
-    R, _, V = rows_logits.shape
-    params = [r.sampling for r in rows for _ in range(width)]
-    probs = filtered_probs(rows_logits.reshape(R * width, V), params).reshape(R, width, V)
-    u_accept = np.ones((R, width), dtype=np.float32)
-    u_sample = np.ones((R, width), dtype=np.float32)
-    for b, r in enumerate(rows):
-        if r.sampling.temperature < GREEDY_BELOW_TEMPERATURE:
-            continue
-        seed = r.sampling.seed
-        assert seed is not None, "a sampled row needs a seed"
-        for i in range(1 + len(r.draft)):
-            u_sample[b, i] = row_uniform(seed, r.out_index + i)
-            u_accept[b, i] = row_uniform(seed ^ _ACCEPT_STREAM, r.out_index + i)
-    tgt = mx.array(np.maximum(target, 0))
-    p_draft = mx.take_along_axis(probs, tgt[..., None], axis=-1)[..., 0]
-    accept = mx.array(u_accept) < p_draft
-    # The correction: p without the rejected draft token (where there was one).
-    drop = (mx.arange(V, dtype=mx.int32)[None, None, :] == tgt[..., None]) & mx.array(target >= 0)[
-        ..., None
-    ]
-    residual = mx.where(drop, 0.0, probs)
-    cdf = mx.cumsum(residual, axis=-1)
-    goal = mx.array(u_sample)[..., None] * cdf[..., -1:]
-    cand = mx.minimum((cdf < goal).sum(axis=-1), V - 1).astype(mx.int32)
-    return accept, cand
+    # Accepted positions drew their draft: the drawn tokens are the output.
+    return drawn, counts
