@@ -35,7 +35,7 @@ from collections.abc import Callable
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx.utils import tree_flatten
+from mlx.utils import tree_flatten, tree_unflatten
 
 #: Output columns per block; None: the whole matrix is one block (the fastest here).
 CHUNK: int | None = None
@@ -261,8 +261,6 @@ def apply_cpu_layout_generic(model: nn.Module, how: str | None = None) -> int:
 
 
 def _put_path(layer: nn.Module, path: str, module: nn.Module) -> None:
-    from mlx.utils import tree_unflatten
-
     layer.update_modules(tree_unflatten([(path, module)]))
 
 
