@@ -165,6 +165,10 @@ class KVPools:
         #: The rows of the last decode call, contiguous (see :meth:`mirror_for`).
         self.mirror: DecodeMirror | None = None
         self.mirror_min_positions = MIRROR_MIN_POSITIONS
+        # One position of every global layer's K and V: what a mirror holds per row.
+        self._mirror_position_bytes = sum(
+            s.bytes_per_token(dtype.size) for s in self.layers if s.has_kv and s.window is None
+        )
         self.reset()
 
     def reset(self) -> None:
@@ -279,9 +283,7 @@ class KVPools:
         self.mirror = None
         bs = self.block_size
         need = int(st.max()) + 1
-        per_position = sum(
-            s.bytes_per_token(self.dtype.size) for s in self.layers if s.has_kv and s.window is None
-        )
+        per_position = self._mirror_position_bytes
         budget = (
             self.nbytes * MIRROR_FRACTION if len(rows) * need >= self.mirror_min_positions else 0
         )
@@ -318,10 +320,6 @@ class DecodeMirror:
         self.cap = cap
         self.k: list[mx.array | None] = [None] * layers
         self.v: list[mx.array | None] = [None] * layers
-
-    @property
-    def nbytes(self) -> int:
-        return sum(a.nbytes for a in (*self.k, *self.v) if a is not None)
 
     def arrays(self) -> list[mx.array]:
         return [a for a in (*self.k, *self.v) if a is not None]
@@ -410,10 +408,10 @@ class PagedKVCache:
         if mirror is not None:
             if length != 1 or len(mirror.rows) != batch:
                 raise ValueError("a mirror serves decode calls only (one token per row)")
-            # The gather that fills it covers all of its positions.
-            wide = np.zeros((batch, mirror.cap // bs), dtype=np.int32)
-            wide[:, :nblk] = tables
-            self._mirror_tables = mx.array(wide)
+            if not mirror.arrays():  # this call fills it: a gather over all its positions
+                wide = np.zeros((batch, mirror.cap // bs), dtype=np.int32)
+                wide[:, :nblk] = tables
+                self._mirror_tables = mx.array(wide)
             self._mirror_rows = mx.arange(batch, dtype=mx.int32)
         self._views: dict[int | None, _View] = {
             None: _View(mx.array(tables), np.arange(nblk * bs)[None, :])
@@ -536,21 +534,20 @@ class PagedKVCache:
         the pools), and the mirror's first T positions as [B, kvh, T, d]."""
         m = self._mirror
         assert m is not None
+        t = self._np_tables.shape[1] * self.pools.block_size  # the positions attended
         out = []
         for side, rows, pool, dtype in (
             (m.k, k_rows, self.pools.k[layer], k_dtype),
             (m.v, v_rows, self.pools.v[layer], v_dtype),
         ):
             assert pool is not None
-            h, _, d = rows.shape
-            b = len(m.rows)
+            h, b, d = rows.shape
             held = side[layer]
             if held is None:
                 held = pool[:, self._mirror_tables].reshape(h, b, m.cap, d)
             else:
                 held[:, self._mirror_rows, self._offsets] = rows
             side[layer] = held
-            t = self._np_tables.shape[1] * self.pools.block_size
             out.append(_as(held[:, :, :t].transpose(1, 0, 2, 3), dtype))
         return out[0], out[1]
 

@@ -139,6 +139,13 @@ def _relay_layers(found: list[_Found], how: str) -> int:
     return changed
 
 
+def _relaid_head(weight: mx.array, how: str) -> BlockedLinear | None:
+    """The head ``weight`` [vocab, hidden] re-laid, where that is the layout to keep."""
+    blocked = BlockedLinear(weight)
+    mx.eval(blocked.parameters())
+    return blocked if _worth_it([weight], [blocked], how) else None
+
+
 def _is_dense(child: object) -> bool:
     return type(child) is nn.Linear and child.weight.dtype == mx.float32
 
@@ -172,9 +179,8 @@ def apply_cpu_layout(model: nn.Module, how: str | None = None) -> int:
             head = model.lm_head.weight
     if head is not None and head.dtype == mx.float32:
         # Tied embeddings keep the [vocab, hidden] table for lookups; the head gets its own copy.
-        blocked_head = BlockedLinear(head)
-        mx.eval(blocked_head.parameters())
-        if _worth_it([head], [blocked_head], how):
+        blocked_head = _relaid_head(head, how)
+        if blocked_head is not None:
             model.head = blocked_head
             if not tied:
                 del model.lm_head
@@ -210,10 +216,10 @@ class BlockedTiedEmbedding(nn.Module):
     without touching the architecture code.
     """
 
-    def __init__(self, weight: mx.array) -> None:
+    def __init__(self, weight: mx.array, head: BlockedLinear | None = None) -> None:
         super().__init__()
         self.weight = weight
-        self.head = BlockedLinear(weight)
+        self.head = head if head is not None else BlockedLinear(weight)
 
     def __call__(self, x: mx.array) -> mx.array:
         return self.weight[x]
@@ -241,9 +247,8 @@ def apply_cpu_layout_generic(model: nn.Module, how: str | None = None) -> int:
     backbone = model.get("model")
     embed = backbone.get("embed_tokens") if isinstance(backbone, nn.Module) else None
     if type(head) is nn.Linear and head.weight.dtype == mx.float32 and "bias" not in head:
-        blocked_head = BlockedLinear(head.weight)
-        mx.eval(blocked_head.parameters())
-        if _worth_it([head.weight], [blocked_head], how):
+        blocked_head = _relaid_head(head.weight, how)
+        if blocked_head is not None:
             model.lm_head = blocked_head
             changed += 1
     elif (
@@ -252,10 +257,9 @@ def apply_cpu_layout_generic(model: nn.Module, how: str | None = None) -> int:
         and type(embed) is nn.Embedding
         and embed.weight.dtype == mx.float32
     ):
-        tied = BlockedTiedEmbedding(embed.weight)
-        mx.eval(tied.parameters())
-        if _worth_it([embed.weight], [tied.head], how):
-            backbone.embed_tokens = tied
+        blocked_head = _relaid_head(embed.weight, how)
+        if blocked_head is not None:
+            backbone.embed_tokens = BlockedTiedEmbedding(embed.weight, blocked_head)
             changed += 1
     return changed
 
