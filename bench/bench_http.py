@@ -144,17 +144,39 @@ async def health_poller(port: int, stop: asyncio.Event, out: list[float]) -> Non
         await asyncio.sleep(0.1)
 
 
+def cpu_seconds(pid: int | None) -> tuple[float, float]:
+    """CPU seconds (user + system) of ``pid``'s main thread and of the whole process (Linux /proc).
+
+    Under ``cairn serve`` the main thread runs the event loop and nothing else:
+    the engine, MLX and BLAS have threads of their own. So the main thread's
+    CPU is what the serving path (HTTP, JSON, SSE, sockets) costs the machine.
+    """
+    if pid is None:
+        return float("nan"), float("nan")
+    tick = os.sysconf("SC_CLK_TCK")
+
+    def read(path: str) -> float:
+        f = Path(path).read_text().rsplit(")", 1)[1].split()
+        return (int(f[11]) + int(f[12])) / tick  # utime, stime
+
+    return read(f"/proc/{pid}/task/{pid}/stat"), read(f"/proc/{pid}/stat")
+
+
 async def http_run(
-    port: int, path: str, bodies: list[dict[str, Any]], health: bool
+    port: int, path: str, bodies: list[dict[str, Any]], health: bool, pid: int | None = None
 ) -> dict[str, Any]:
     stop = asyncio.Event()
     lat: list[float] = []
     poll = asyncio.ensure_future(health_poller(port, stop, lat)) if health else None
+    loop0, proc0 = cpu_seconds(pid)
+    client0 = time.process_time()
     t0 = time.perf_counter()
     rs: list[StreamResult] = await asyncio.gather(
         *(stream_request("127.0.0.1", port, path, b) for b in bodies)
     )
     wall = time.perf_counter() - t0
+    client = time.process_time() - client0
+    loop1, proc1 = cpu_seconds(pid)
     stop.set()
     if poll is not None:
         await poll
@@ -170,6 +192,7 @@ async def http_run(
         "itl_ms": [g * 1000 for g in gaps],
         "health_ms": [v * 1000 for v in lat],
         "errors": errors[:3],
+        "cpu_s": {"loop": loop1 - loop0, "server": proc1 - proc0, "client": client},
     }
 
 
@@ -196,6 +219,7 @@ def engine_run(engine: Engine, n: int, rnd: int, tokens: int, side: int = 0) -> 
         "itl_ms": [],
         "health_ms": [],
         "errors": [],
+        "cpu_s": {"loop": float("nan"), "server": float("nan"), "client": float("nan")},
     }
 
 
@@ -206,8 +230,13 @@ def merge(runs: list[dict[str, Any]]) -> dict[str, Any]:
     tokens = sum(r["tokens"] for r in runs)
     wall = sum(r["wall_s"] for r in runs)
     cat = {k: [v for r in runs for v in r[k]] for k in ("ttft_ms", "itl_ms", "health_ms")}
+    cpu = {k: sum(r["cpu_s"][k] for r in runs) for k in ("loop", "server", "client")}
     return {
         "tok_s": tokens / wall,
+        "wall_s": wall,
+        "loop_ms_per_token": 1000 * cpu["loop"] / tokens,
+        "loop_share": cpu["loop"] / cpu["server"] if cpu["server"] else float("nan"),
+        "client_share": cpu["client"] / ((os.cpu_count() or 1) * wall),
         "tok_s_runs": [round(r["tok_s"], 2) for r in runs],
         **{f"{k}_p50": pct(v, 50) for k, v in cat.items()},
         **{f"{k}_p99": pct(v, 99) for k, v in cat.items()},
@@ -248,6 +277,17 @@ def markdown(table: dict[int, dict[str, dict[str, Any]]], sides: list[str]) -> s
         lines.append(
             f"| {n} | {r(o, m)} | {r(o, e)} | {r(m, e)} | {o['itl_ms_p99'] / o['itl_ms_p50']:.2f} |"
         )
+    lines += ["", "What serving costs in CPU (our server's event-loop thread, which runs "
+              "HTTP, JSON, SSE and the sockets; the benchmark's own clients):", "",
+              "| streams | side | loop CPU ms / token | loop share of the server's CPU | "
+              "clients' share of the machine |", "|---:|---|---:|---:|---:|"]  # fmt: skip
+    for n, per in table.items():
+        for side in (s for s in sides if s.startswith("cairn")):
+            m = per[side]
+            lines.append(
+                f"| {n} | {side} | {m['loop_ms_per_token']:.2f} | {100 * m['loop_share']:.1f}% "
+                f"| {100 * m['client_share']:.1f}% |"
+            )
     return "\n".join(lines)
 
 
@@ -268,9 +308,11 @@ async def amain(args: argparse.Namespace) -> int:
         await wait_up(p_ours, ours, chat, chat_body(0, -1, 4, "default"))
         await wait_up(p_lm, peer, chat, chat_body(0, -1, 4, str(folder)))
         engine_run(engine, 2, -1, 4)  # warm-up
-        sides = ["cairn (openai chat)", "mlx_lm.server", "engine alone"]
+        # Ours next to the engine alone in every round (ABC, then CBA): the box's
+        # speed drifts, and that ratio is the closest bar.
+        sides = ["mlx_lm.server", "cairn (openai chat)", "engine alone"]
         if args.anthropic:
-            sides.insert(1, "cairn (anthropic)")
+            sides.append("cairn (anthropic)")
         raw: dict[int, dict[str, list[dict[str, Any]]]] = {
             n: {s: [] for s in sides} for n in args.levels
         }
@@ -288,10 +330,10 @@ async def amain(args: argparse.Namespace) -> int:
                         r = await http_run(p_lm, chat, bodies, health=False)
                     elif side == "cairn (anthropic)":
                         bodies = [anthropic_body(i, rnd, t, s) for i in range(n)]
-                        r = await http_run(p_ours, "/v1/messages", bodies, health=True)
+                        r = await http_run(p_ours, "/v1/messages", bodies, True, ours.pid)
                     else:
                         bodies = [chat_body(i, rnd, t, "default", s) for i in range(n)]
-                        r = await http_run(p_ours, chat, bodies, health=True)
+                        r = await http_run(p_ours, chat, bodies, True, ours.pid)
                     raw[n][side].append(r)
                     load_seen.append(os.getloadavg()[0])
                     print(
