@@ -305,11 +305,14 @@ def main(argv: list[str]) -> int:
     for r in sweep:
         print(f"| {r['concurrency']} | {r['tok_s']:.1f} | {r['tok_s'] / single:.2f} |")
     print(f"| 8 (mlx_lm batch_generate) | {mb['tok_s']:.1f} | {mb['tok_s'] / single:.2f} |")
-    if args.plot:
-        plot(results, args.plot)
-        print(f"\nplot: {args.plot}")
     if args.json:
         args.json.write_text(json.dumps(results, indent=2))
+    if args.plot:
+        try:
+            plot(results, args.plot)
+            print(f"\nplot: {args.plot}")
+        except ImportError:
+            print("\nno plot: matplotlib is in the bench extra (pip install -e '.[bench]')")
     return 0
 
 
