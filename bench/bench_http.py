@@ -50,7 +50,7 @@ from http_stream import StreamResult, pct, stream_request  # bench/ is on sys.pa
 from mlx_cairn.engine import Engine
 from mlx_cairn.models import load
 from mlx_cairn.types import ChatRequest, Done, Message, SamplingParams
-from serve_proc import free_port
+from serve_proc import cpu_seconds, free_port
 
 TOPICS = [
     "a lighthouse keeper", "a cat who learns to sail", "the history of bread", "a robot gardener",
@@ -144,8 +144,8 @@ async def health_poller(port: int, stop: asyncio.Event, out: list[float]) -> Non
         await asyncio.sleep(0.1)
 
 
-def cpu_seconds(pid: int | None) -> tuple[float, float]:
-    """CPU seconds (user + system) of ``pid``'s main thread and of the whole process (Linux /proc).
+def server_cpu(pid: int | None) -> tuple[float, float]:
+    """CPU seconds of ``pid``'s main thread and of the whole process (NaN without a pid).
 
     Under ``cairn serve`` the main thread runs the event loop and nothing else:
     the engine, MLX and BLAS have threads of their own. So the main thread's
@@ -153,13 +153,7 @@ def cpu_seconds(pid: int | None) -> tuple[float, float]:
     """
     if pid is None:
         return float("nan"), float("nan")
-    tick = os.sysconf("SC_CLK_TCK")
-
-    def read(path: str) -> float:
-        f = Path(path).read_text().rsplit(")", 1)[1].split()
-        return (int(f[11]) + int(f[12])) / tick  # utime, stime
-
-    return read(f"/proc/{pid}/task/{pid}/stat"), read(f"/proc/{pid}/stat")
+    return cpu_seconds(pid, pid), cpu_seconds(pid)
 
 
 async def http_run(
@@ -168,7 +162,7 @@ async def http_run(
     stop = asyncio.Event()
     lat: list[float] = []
     poll = asyncio.ensure_future(health_poller(port, stop, lat)) if health else None
-    loop0, proc0 = cpu_seconds(pid)
+    loop0, proc0 = server_cpu(pid)
     client0 = time.process_time()
     t0 = time.perf_counter()
     rs: list[StreamResult] = await asyncio.gather(
@@ -176,7 +170,7 @@ async def http_run(
     )
     wall = time.perf_counter() - t0
     client = time.process_time() - client0
-    loop1, proc1 = cpu_seconds(pid)
+    loop1, proc1 = server_cpu(pid)
     stop.set()
     if poll is not None:
         await poll
@@ -233,7 +227,6 @@ def merge(runs: list[dict[str, Any]]) -> dict[str, Any]:
     cpu = {k: sum(r["cpu_s"][k] for r in runs) for k in ("loop", "server", "client")}
     return {
         "tok_s": tokens / wall,
-        "wall_s": wall,
         "loop_ms_per_token": 1000 * cpu["loop"] / tokens,
         "loop_share": cpu["loop"] / cpu["server"] if cpu["server"] else float("nan"),
         "client_share": cpu["client"] / ((os.cpu_count() or 1) * wall),

@@ -40,7 +40,7 @@ from pathlib import Path
 from typing import Any
 
 from http_stream import pct, stream_request  # bench/ is on sys.path when run as a script
-from serve_proc import free_port
+from serve_proc import cpu_seconds, free_port
 
 TOPICS = [
     "a lighthouse keeper", "a cat who learns to sail", "the history of bread", "a robot gardener",
@@ -114,14 +114,12 @@ def _child(port: int, dump: str, model: str | None, no_uvloop: bool) -> None:
 
     def cpu(tid: int) -> float:
         try:
-            f = Path(f"/proc/self/task/{tid}/stat").read_text().rsplit(")", 1)[1].split()
-        except OSError:
+            return cpu_seconds(os.getpid(), tid)
+        except OSError:  # the thread has ended
             return 0.0
-        return (int(f[11]) + int(f[12])) / os.sysconf("SC_CLK_TCK")
 
     def threads() -> dict[str, float]:
-        f = Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()
-        out: dict[str, float] = {"process": (int(f[11]) + int(f[12])) / os.sysconf("SC_CLK_TCK")}
+        out: dict[str, float] = {"process": cpu_seconds(os.getpid())}
         for t in threading.enumerate():
             if t.native_id is not None:
                 name = "loop" if t is threading.main_thread() else t.name

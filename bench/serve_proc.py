@@ -30,6 +30,13 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def cpu_seconds(pid: int, tid: int | None = None) -> float:
+    """User + system CPU seconds of process ``pid``, or of its thread ``tid`` (Linux /proc)."""
+    path = f"/proc/{pid}/stat" if tid is None else f"/proc/{pid}/task/{tid}/stat"
+    f = Path(path).read_text().rsplit(")", 1)[1].split()
+    return (int(f[11]) + int(f[12])) / os.sysconf("SC_CLK_TCK")  # utime, stime
+
+
 def rss_bytes(pid: int) -> int:
     """Resident set size of ``pid`` (Linux /proc)."""
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():

@@ -216,10 +216,10 @@ class BlockedTiedEmbedding(nn.Module):
     without touching the architecture code.
     """
 
-    def __init__(self, weight: mx.array, head: BlockedLinear | None = None) -> None:
+    def __init__(self, weight: mx.array, head: BlockedLinear) -> None:
         super().__init__()
         self.weight = weight
-        self.head = head if head is not None else BlockedLinear(weight)
+        self.head = head
 
     def __call__(self, x: mx.array) -> mx.array:
         return self.weight[x]
