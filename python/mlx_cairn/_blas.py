@@ -5,14 +5,24 @@ Opening OpenBLAS with ``RTLD_GLOBAL`` *before* ``mlx.core`` is imported makes
 MLX resolve its BLAS symbols to it (about 150 GFLOP/s). This module must be
 imported before anything imports ``mlx.core``; ``mlx_cairn/__init__.py`` does
 that first thing.
+
+Before OpenBLAS it opens our own ``_core`` library the same way: that exports
+a ``cblas_sgemm`` of its own (``rust/bindings/src/blas.rs``), which MLX then
+binds. It computes the products of a decode step (at most 16 rows times a
+weight matrix) with ``cairn_blas::sgemm``, which streams the weight once
+instead of packing it first (OpenBLAS's way, which took a quarter of an
+8-row step), and hands every other call to OpenBLAS's ``cblas_sgemm``.
+``CAIRN_DECODE_GEMM=0`` leaves every product to OpenBLAS.
 """
 
 from __future__ import annotations
 
 import ctypes
+import importlib.util
 import os
 import sys
 import warnings
+from pathlib import Path
 
 _CANDIDATES = (
     "libopenblas.so.0",
@@ -23,6 +33,38 @@ _CANDIDATES = (
 
 #: Path of the BLAS that was loaded, or None.
 loaded: str | None = None
+#: Our ``_core`` library when its ``cblas_sgemm`` sits in front of the BLAS, else None.
+decode_gemm: ctypes.CDLL | None = None
+
+
+def _open_core() -> ctypes.CDLL | None:
+    """``_core`` opened with ``RTLD_GLOBAL`` (None when disabled or not built yet)."""
+    if os.environ.get("CAIRN_DECODE_GEMM", "1").lower() in ("0", "off"):
+        return None
+    spec = importlib.util.find_spec("mlx_cairn._core")
+    if spec is None or not spec.origin:
+        return None
+    try:
+        core = ctypes.CDLL(spec.origin, mode=ctypes.RTLD_GLOBAL)
+        core.cairn_blas_set_fallback.argtypes = [ctypes.c_size_t]
+        core.cairn_blas_set_enabled.argtypes = [ctypes.c_int]
+        core.cairn_blas_takes.argtypes = [ctypes.c_int] * 3
+        return core
+    except (OSError, AttributeError):
+        return None
+
+
+def _bundled_blas() -> list[Path]:
+    """The reference BLAS inside the ``mlx`` wheel (what MLX calls without OpenBLAS)."""
+    spec = importlib.util.find_spec("mlx")
+    roots = [Path(p).parent for p in (spec.submodule_search_locations or [])] if spec else []
+    return [f for root in roots for f in sorted(root.glob("mlx*.libs/libblas*.so*"))]
+
+
+def set_decode_gemm(on: bool) -> None:
+    """Route decode-sized products to our kernel (True) or all of them to the BLAS."""
+    if decode_gemm is not None:
+        decode_gemm.cairn_blas_set_enabled(int(on))
 
 
 def ensure() -> str | None:
@@ -32,7 +74,7 @@ def ensure() -> str | None:
     with ``CAIRN_NO_BLAS=1``, or not installed: then one warning says how to
     fix it).
     """
-    global loaded
+    global loaded, decode_gemm
     if loaded is not None or sys.platform != "linux" or os.environ.get("CAIRN_NO_BLAS"):
         return loaded
     if "mlx.core" in sys.modules:
@@ -43,13 +85,30 @@ def ensure() -> str | None:
             stacklevel=3,
         )
         return None
+    core = _open_core()  # first: global symbols bind in load order
+    if core is not None:
+        # OpenBLAS's idle threads spin for ~2**28 cycles after each call, and
+        # on few cores that steals the decode kernel's; 2**4 lets them sleep.
+        os.environ.setdefault("OPENBLAS_THREAD_TIMEOUT", "4")
     for name in _CANDIDATES:
         try:
-            ctypes.CDLL(name, mode=ctypes.RTLD_GLOBAL)
+            lib = ctypes.CDLL(name, mode=ctypes.RTLD_GLOBAL)
         except OSError:
             continue
         loaded = name
+        if core is not None:
+            core.cairn_blas_set_fallback(ctypes.cast(lib.cblas_sgemm, ctypes.c_void_p).value)
+            decode_gemm = core
         return loaded
+    if core is not None:  # our kernel still serves decode; the rest goes to MLX's own BLAS
+        for bundled in _bundled_blas():
+            try:
+                lib = ctypes.CDLL(str(bundled))
+                core.cairn_blas_set_fallback(ctypes.cast(lib.cblas_sgemm, ctypes.c_void_p).value)
+                decode_gemm = core
+                break
+            except (OSError, AttributeError):
+                continue
     warnings.warn(
         "OpenBLAS not found: MLX will use its slow reference BLAS on CPU. "
         "Install it with `apt-get install libopenblas0-pthread` (or run `make setup`).",

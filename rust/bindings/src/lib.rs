@@ -5,6 +5,7 @@
 //! may panic across the boundary.
 use pyo3::prelude::*;
 
+mod blas;
 mod constrain;
 mod kv;
 mod sse;
