@@ -5,7 +5,9 @@ The speed claims in the README rest on this benchmark. One invocation:
 1. exports the embedded SmolLM2-135M (dequantized to fp32, as both sides
    run it) to an HF folder, the way ``bench/bench_engine.py`` does;
 2. starts ``cairn serve`` (embedded default model) and ``mlx_lm.server`` on
-   that folder (greedy, the optimized BLAS loaded first, as for every side);
+   that folder (greedy, OpenBLAS loaded first, as for every side; our decode
+   kernel, ``cairn_blas``, is ours alone: ``mlx_lm.server`` runs with
+   ``CAIRN_DECODE_GEMM=0``, which leaves it OpenBLAS as it would have it);
 3. for each round and each concurrency in ``--levels`` runs, in an order that
    alternates between rounds, ``n`` concurrent OpenAI chat streams of
    ``--tokens`` tokens (distinct story prompts, temperature 0) against each
@@ -107,7 +109,8 @@ def start_mlx_lm(port: int, folder: Path, tokens: int, log: Path) -> subprocess.
     cmd = [sys.executable, "-c", code, "--model", str(folder), "--host", "127.0.0.1",
            "--port", str(port), "--temp", "0", "--max-tokens", str(tokens),
            "--log-level", "WARNING"]  # fmt: skip
-    return subprocess.Popen(cmd, stdout=log.open("wb"), stderr=subprocess.STDOUT)
+    env = {**os.environ, "CAIRN_DECODE_GEMM": "0"}  # OpenBLAS alone, untuned
+    return subprocess.Popen(cmd, env=env, stdout=log.open("wb"), stderr=subprocess.STDOUT)
 
 
 async def wait_up(port: int, proc: subprocess.Popen[bytes], path: str, body: dict) -> None:

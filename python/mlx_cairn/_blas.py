@@ -86,7 +86,7 @@ def ensure() -> str | None:
         )
         return None
     core = _open_core()  # first: global symbols bind in load order
-    if core is not None:
+    if core is not None and core.cairn_blas_takes(8, 4096, 4096):
         # OpenBLAS's idle threads spin for ~2**28 cycles after each call, and
         # on few cores that steals the decode kernel's; 2**4 lets them sleep.
         os.environ.setdefault("OPENBLAS_THREAD_TIMEOUT", "4")
