@@ -1,4 +1,4 @@
-"""Decode steps with the weights in three CPU layouts (models/cpu_layout.py), one process.
+"""Decode steps with the weights in three CPU layouts (models/cpu_layout.py), and the decode kernel.
 
 The embedded SmolLM2-135M (fp32) is loaded once with ``CAIRN_CPU_LAYOUT=0``;
 each of its dense linears and its head is then also built as a
@@ -8,12 +8,14 @@ dense linear and the head). Rounds alternate the order of the layouts; each
 times whole decode forward calls (``--rows`` rows at ~100 positions of
 context over the paged cache, logits of every row) and the medians are
 reported with the ratio to the plain ``x @ W.T`` layout, which is also what
-mlx-lm runs.
+mlx-lm runs. A fourth side runs the transposed block with our decode kernel
+(``cairn_blas``, through our ``cblas_sgemm``) serving the products of 1-12
+rows; the other three leave every product to OpenBLAS (``_blas.set_decode_gemm``).
 
 Run (about 2 minutes on 2 shared cores)::
 
     .venv/bin/python bench/bench_layout.py
-    .venv/bin/python bench/bench_layout.py --rows 1,8,16,32 --rounds 6
+    .venv/bin/python bench/bench_layout.py --rows 1,8,12,16 --rounds 6
 """
 
 from __future__ import annotations
@@ -32,12 +34,15 @@ import mlx_cairn  # noqa: F401  (loads the optimized BLAS before mlx.core)
 import mlx.core as mx
 import mlx.nn as nn
 
+from mlx_cairn import _blas
 from mlx_cairn.engine.engine import _layer_specs
 from mlx_cairn.engine.paged import KVPools, PagedKVCache
 from mlx_cairn.models import load
 from mlx_cairn.models.cpu_layout import BlockedLinear
 
 LAYOUTS = ("plain", "768-column blocks", "one transposed block")
+#: Each side: its weight layout and whether the decode kernel serves its products.
+SIDES = {x: (x, False) for x in LAYOUTS} | {"transposed + decode kernel": (LAYOUTS[2], True)}
 
 
 def main() -> None:
@@ -65,7 +70,9 @@ def main() -> None:
     mx.eval([m.parameters() for _, _, v in linears for m in v.values()])
     mx.eval([h.parameters() for h in heads.values() if h is not None])
 
-    def use(layout: str) -> None:
+    def use(side: str) -> None:
+        layout, kernel = SIDES[side]
+        _blas.set_decode_gemm(kernel)
         for parent, name, mods in linears:
             setattr(parent, name, mods[layout])
         if heads[layout] is None:
@@ -90,17 +97,20 @@ def main() -> None:
 
     rows_list = [int(x) for x in args.rows.split(",")]
     got: dict[tuple[int, str], list[float]] = {}
+    sides = list(SIDES)
     for rnd in range(args.rounds):
-        for layout in LAYOUTS if rnd % 2 == 0 else LAYOUTS[::-1]:
-            use(layout)
+        for side in sides if rnd % 2 == 0 else sides[::-1]:
+            use(side)
             for rows in rows_list:
-                got.setdefault((rows, layout), []).append(step_ms(rows))
-    print("| rows | " + " | ".join(f"{x} ms/step" for x in LAYOUTS) + " | plain / one block |")
-    print("|---:|" + "---:|" * (len(LAYOUTS) + 1))
+                got.setdefault((rows, side), []).append(step_ms(rows))
+    _blas.set_decode_gemm(True)
+    print("| rows | " + " | ".join(f"{x} ms/step" for x in sides)
+          + " | plain / one block | one block / + decode kernel |")  # fmt: skip
+    print("|---:|" + "---:|" * (len(sides) + 2))
     for rows in rows_list:
-        med = [statistics.median(got[(rows, x)]) for x in LAYOUTS]
+        med = [statistics.median(got[(rows, x)]) for x in sides]
         cells = " | ".join(f"{m:.1f}" for m in med)
-        print(f"| {rows} | {cells} | {med[0] / med[2]:.2f}x |")
+        print(f"| {rows} | {cells} | {med[0] / med[2]:.2f}x | {med[2] / med[3]:.2f}x |")
 
 
 if __name__ == "__main__":

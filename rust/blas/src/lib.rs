@@ -41,20 +41,24 @@ pub fn available() -> bool {
     }
 }
 
-fn pool() -> &'static rayon::ThreadPool {
-    static POOL: OnceLock<rayon::ThreadPool> = OnceLock::new();
-    POOL.get_or_init(|| {
+/// The worker threads, or None (the calling thread computes alone): in a child
+/// forked after they started (it has none of them), or if they could not start.
+fn pool() -> Option<&'static rayon::ThreadPool> {
+    static POOL: OnceLock<(u32, Option<rayon::ThreadPool>)> = OnceLock::new();
+    let (pid, pool) = POOL.get_or_init(|| {
         let threads = std::env::var("CAIRN_BLAS_THREADS")
             .ok()
             .and_then(|v| v.parse().ok())
             .filter(|&t: &usize| t > 0)
             .unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()));
-        rayon::ThreadPoolBuilder::new()
+        let pool = rayon::ThreadPoolBuilder::new()
             .num_threads(threads)
             .thread_name(|i| format!("cairn-blas-{i}"))
             .build()
-            .expect("a thread pool for the decode product")
-    })
+            .ok();
+        (std::process::id(), pool)
+    });
+    pool.as_ref().filter(|_| *pid == std::process::id())
 }
 
 /// Raw pointers that cross to pool threads; every thread writes disjoint columns of `c`.
@@ -101,7 +105,7 @@ pub unsafe fn sgemm(
         k,
     };
     let pool = pool();
-    let threads = pool.current_num_threads().max(1);
+    let threads = pool.map_or(1, |p| p.current_num_threads().max(1));
     // Whole 8-column vectors per thread, as even as they go.
     let vectors = n.div_ceil(8);
     let per = vectors.div_ceil(threads);
@@ -109,11 +113,11 @@ pub unsafe fn sgemm(
         .map(|t| ((t * per * 8).min(n), ((t + 1) * per * 8).min(n)))
         .filter(|(lo, hi)| lo < hi)
         .collect();
-    if ranges.len() <= 1 {
+    let Some(pool) = pool.filter(|_| ranges.len() > 1) else {
         // SAFETY: the caller's contract, over all columns.
         unsafe { columns(ops, 0, n) };
         return;
-    }
+    };
     pool.scope(|s| {
         for &(lo, hi) in &ranges {
             // SAFETY: the caller's contract; the ranges are disjoint.
