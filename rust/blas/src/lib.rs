@@ -51,12 +51,15 @@ fn pool() -> Option<&'static rayon::ThreadPool> {
             .and_then(|v| v.parse().ok())
             .filter(|&t: &usize| t > 0)
             .unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()));
-        let pool = rayon::ThreadPoolBuilder::new()
-            .num_threads(threads)
-            .thread_name(|i| format!("cairn-blas-{i}"))
-            .build()
-            .ok();
-        (std::process::id(), pool)
+        // The calling thread computes a share too: one worker fewer to wake.
+        let pool = (threads > 1).then(|| {
+            rayon::ThreadPoolBuilder::new()
+                .num_threads(threads - 1)
+                .thread_name(|i| format!("cairn-blas-{i}"))
+                .build()
+                .ok()
+        });
+        (std::process::id(), pool.flatten())
     });
     pool.as_ref().filter(|_| *pid == std::process::id())
 }
@@ -105,7 +108,7 @@ pub unsafe fn sgemm(
         k,
     };
     let pool = pool();
-    let threads = pool.map_or(1, |p| p.current_num_threads().max(1));
+    let threads = pool.map_or(1, |p| p.current_num_threads() + 1);
     // Whole 8-column vectors per thread, as even as they go.
     let vectors = n.div_ceil(8);
     let per = vectors.div_ceil(threads);
@@ -118,11 +121,14 @@ pub unsafe fn sgemm(
         unsafe { columns(ops, 0, n) };
         return;
     };
-    pool.scope(|s| {
-        for &(lo, hi) in &ranges {
+    pool.in_place_scope(|s| {
+        for &(lo, hi) in &ranges[1..] {
             // SAFETY: the caller's contract; the ranges are disjoint.
             s.spawn(move |_| unsafe { columns(ops, lo, hi) });
         }
+        let (lo, hi) = ranges[0];
+        // SAFETY: as above, on this thread.
+        unsafe { columns(ops, lo, hi) };
     });
 }
 
