@@ -4,15 +4,16 @@ The embedded SmolLM2-135M (fp32) is loaded once with ``CAIRN_CPU_LAYOUT=0``;
 each of its dense linears and its head is then also built as a
 ``BlockedLinear`` of 768-column blocks (the layout of earlier commits: wide
 linears and the head only) and as one transposed block (this commit: every
-dense linear and the head). Rounds alternate the order of the layouts; each
-times whole decode forward calls (``--rows`` rows at ~100 positions of
-context over the paged cache, logits of every row) and the medians are
-reported with the ratio to the plain ``x @ W.T`` layout, which is also what
-mlx-lm runs. A fourth side runs the transposed block with our decode kernel
-(``cairn_blas``, through our ``cblas_sgemm``) serving the products of 1-12
-rows; the other three leave every product to OpenBLAS (``_blas.set_decode_gemm``).
+dense linear and the head). A fourth side runs the transposed block with our
+decode kernel (``cairn_blas``, through our ``cblas_sgemm``) serving the
+products of 1-12 rows; the other three leave every product to OpenBLAS
+(``_blas.set_decode_gemm``). Each side times whole decode forward calls
+(``--rows`` rows at 100-131 positions of context over the paged cache,
+logits of every row), the sides taking turns step by step in a rotating
+order; the medians are reported with the ratios plain / one block (mlx-lm
+runs the plain ``x @ W.T`` layout) and one block / with the kernel.
 
-Run (about 2 minutes on 2 shared cores)::
+Run (about 3 minutes on 2 shared cores)::
 
     .venv/bin/python bench/bench_layout.py
     .venv/bin/python bench/bench_layout.py --rows 1,8,12,16 --rounds 6
@@ -49,7 +50,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rows", default="1,8,16")
     ap.add_argument("--rounds", type=int, default=4)
-    ap.add_argument("--steps", type=int, default=6)
+    ap.add_argument("--steps", type=int, default=8, help="steps per side, rows and round")
     args = ap.parse_args()
     model = load().model
     linears: list[tuple[nn.Module, str, dict[str, nn.Module]]] = []
@@ -83,26 +84,27 @@ def main() -> None:
 
     pools = KVPools(num_blocks=1024, block_size=16, layers=_layer_specs(model))
 
-    def step_ms(rows: int) -> float:
+    def step_ms(rows: int, j: int) -> float:
         tables = [list(range(1 + b * 10, 1 + (b + 1) * 10)) for b in range(rows)]
         tokens = mx.array([[17]] * rows, dtype=mx.int32)
-        times = []
-        for j in range(args.steps):
-            cache = PagedKVCache(pools, tables, [100 + j] * rows, 1)
-            logits = model.logits(model(tokens, cache)[:, -1, :])
-            t = time.perf_counter()
-            mx.eval(logits, *pools.arrays())
-            times.append(time.perf_counter() - t)
-        return statistics.median(times) * 1e3
+        cache = PagedKVCache(pools, tables, [100 + j % 32] * rows, 1)
+        logits = model.logits(model(tokens, cache)[:, -1, :])
+        t = time.perf_counter()
+        mx.eval(logits, *pools.arrays())
+        return (time.perf_counter() - t) * 1e3
 
     rows_list = [int(x) for x in args.rows.split(",")]
     got: dict[tuple[int, str], list[float]] = {}
     sides = list(SIDES)
+    # Sides take turns step by step (the order rotating), so that the box's
+    # drifts in speed land on all of them alike.
     for rnd in range(args.rounds):
-        for side in sides if rnd % 2 == 0 else sides[::-1]:
-            use(side)
-            for rows in rows_list:
-                got.setdefault((rows, side), []).append(step_ms(rows))
+        for rows in rows_list:
+            for j in range(args.steps):
+                turn = (rnd * args.steps + j) % len(sides)
+                for side in sides[turn:] + sides[:turn]:
+                    use(side)
+                    got.setdefault((rows, side), []).append(step_ms(rows, j))
     _blas.set_decode_gemm(True)
     print("| rows | " + " | ".join(f"{x} ms/step" for x in sides)
           + " | plain / one block | one block / + decode kernel |")  # fmt: skip
