@@ -8,7 +8,7 @@ that first thing.
 
 Before OpenBLAS it opens our own ``_core`` library the same way: that exports
 a ``cblas_sgemm`` of its own (``rust/bindings/src/blas.rs``), which MLX then
-binds. It computes the products of a decode step (at most 16 rows times a
+binds. It computes the products of a decode step (at most 12 rows times a
 weight matrix) with ``cairn_blas::sgemm``, which streams the weight once
 instead of packing it first (OpenBLAS's way, which took a quarter of an
 8-row step), and hands every other call to OpenBLAS's ``cblas_sgemm``.
