@@ -27,7 +27,7 @@ const PANEL: usize = 512;
 const GROUP: usize = 8;
 
 /// Rows of `B` folded into the accumulators per pass over a panel.
-const K_BLOCK: usize = 16;
+const K_BLOCK: usize = 8;
 
 /// Whether this CPU can run the kernel (x86-64 with AVX2 and FMA).
 pub fn available() -> bool {
