@@ -6,9 +6,9 @@ MLX resolve its BLAS symbols to it (about 150 GFLOP/s). This module must be
 imported before anything imports ``mlx.core``; ``mlx_cairn/__init__.py`` does
 that first thing.
 
-Before OpenBLAS it opens our own ``_core`` library the same way: that exports
-a ``cblas_sgemm`` of its own (``rust/bindings/src/blas.rs``), which MLX then
-binds. It computes the products of a decode step (at most 12 rows times a
+Where the decode kernel can run, our own ``_core`` library joins the global
+scope just before OpenBLAS: it exports a ``cblas_sgemm`` of its own
+(``rust/bindings/src/blas.rs``), which MLX then binds. It computes the products of a decode step (at most 12 rows times a
 weight matrix) with ``cairn_blas::sgemm``, which streams the weight once
 instead of packing it first (OpenBLAS's way, which took a quarter of an
 8-row step), and hands every other call to OpenBLAS's ``cblas_sgemm``.
@@ -37,21 +37,34 @@ loaded: str | None = None
 decode_gemm: ctypes.CDLL | None = None
 
 
-def _open_core() -> ctypes.CDLL | None:
-    """``_core`` opened with ``RTLD_GLOBAL`` (None when disabled or not built yet)."""
+def _decode_kernel() -> ctypes.CDLL | None:
+    """``_core``, opened locally for now, where the decode kernel can run (else None:
+    turned off, not built yet, or a CPU without AVX2 and FMA)."""
     if os.environ.get("CAIRN_DECODE_GEMM", "1").lower() in ("0", "off"):
         return None
     spec = importlib.util.find_spec("mlx_cairn._core")
     if spec is None or not spec.origin:
         return None
     try:
-        core = ctypes.CDLL(spec.origin, mode=ctypes.RTLD_GLOBAL)
+        core = ctypes.CDLL(spec.origin)
         core.cairn_blas_set_fallback.argtypes = [ctypes.c_size_t]
         core.cairn_blas_set_enabled.argtypes = [ctypes.c_int]
         core.cairn_blas_takes.argtypes = [ctypes.c_int] * 3
-        return core
     except (OSError, AttributeError):
         return None
+    return core if core.cairn_blas_takes(8, 4096, 4096) else None
+
+
+def _first_blas(names: list[str]) -> tuple[str, ctypes.CDLL] | None:
+    """The first of ``names`` that opens (locally) and has ``cblas_sgemm``."""
+    for name in names:
+        try:
+            lib = ctypes.CDLL(name)
+            lib.cblas_sgemm  # noqa: B018  (AttributeError where it lacks one)
+        except (OSError, AttributeError):
+            continue
+        return name, lib
+    return None
 
 
 def _bundled_blas() -> list[Path]:
@@ -85,30 +98,24 @@ def ensure() -> str | None:
             stacklevel=3,
         )
         return None
-    core = _open_core()  # first: global symbols bind in load order
-    if core is not None and core.cairn_blas_takes(8, 4096, 4096):
+    core = _decode_kernel()
+    if core is not None:
         # OpenBLAS's idle threads spin for ~2**28 cycles after each call, and
         # on few cores that steals the decode kernel's; 2**4 lets them sleep.
+        # (OpenBLAS reads it when it loads, just below.)
         os.environ.setdefault("OPENBLAS_THREAD_TIMEOUT", "4")
-    for name in _CANDIDATES:
-        try:
-            lib = ctypes.CDLL(name, mode=ctypes.RTLD_GLOBAL)
-        except OSError:
-            continue
-        loaded = name
-        if core is not None:
-            core.cairn_blas_set_fallback(ctypes.cast(lib.cblas_sgemm, ctypes.c_void_p).value)
-            decode_gemm = core
+    blas = _first_blas(list(_CANDIDATES))
+    # Without OpenBLAS the other products go to MLX's own BLAS.
+    fallback = blas or _first_blas([str(f) for f in _bundled_blas()])
+    if core is not None and fallback is not None:
+        core.cairn_blas_set_fallback(ctypes.cast(fallback[1].cblas_sgemm, ctypes.c_void_p).value)
+        # Global symbols bind in the order libraries join the global scope: ours first.
+        ctypes.CDLL(core._name, mode=ctypes.RTLD_GLOBAL)
+        decode_gemm = core
+    if blas is not None:
+        ctypes.CDLL(blas[0], mode=ctypes.RTLD_GLOBAL)
+        loaded = blas[0]
         return loaded
-    if core is not None:  # our kernel still serves decode; the rest goes to MLX's own BLAS
-        for bundled in _bundled_blas():
-            try:
-                lib = ctypes.CDLL(str(bundled))
-                core.cairn_blas_set_fallback(ctypes.cast(lib.cblas_sgemm, ctypes.c_void_p).value)
-                decode_gemm = core
-                break
-            except (OSError, AttributeError):
-                continue
     warnings.warn(
         "OpenBLAS not found: MLX will use its slow reference BLAS on CPU. "
         "Install it with `apt-get install libopenblas0-pthread` (or run `make setup`).",

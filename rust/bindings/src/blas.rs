@@ -1,13 +1,12 @@
 //! `cblas_sgemm` for MLX's CPU backend: decode-sized products by
 //! `cairn_blas::sgemm`, every other call forwarded to the BLAS loaded after us.
 //!
-//! `mlx_cairn/_blas.py` opens this library with `RTLD_GLOBAL` before OpenBLAS,
-//! so MLX binds its `cblas_sgemm` here; it then hands OpenBLAS's own entry to
-//! [`cairn_blas_set_fallback`]. These are C-ABI exports, not Python functions.
+//! `mlx_cairn/_blas.py` hands OpenBLAS's own entry to [`cairn_blas_set_fallback`],
+//! then makes this library global before OpenBLAS, so MLX binds its
+//! `cblas_sgemm` here. These are C-ABI exports, not Python functions.
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 
 const ROW_MAJOR: i32 = 101;
-const COL_MAJOR: i32 = 102;
 const NO_TRANS: i32 = 111;
 
 /// Below this many weights (`k * n`) a product is left to the BLAS: it is in
@@ -109,66 +108,17 @@ pub unsafe extern "C" fn cblas_sgemm(
         };
         return;
     }
-    match FALLBACK.load(Ordering::Acquire) {
-        0 => {
-            // SAFETY: the caller's contract.
-            unsafe {
-                reference(
-                    order, trans_a, trans_b, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc,
-                )
-            }
-        }
-        f => {
-            // SAFETY: `f` is the address of the BLAS's own `cblas_sgemm` (same signature).
-            let f: Sgemm = unsafe { std::mem::transmute::<usize, Sgemm>(f) };
-            unsafe {
-                f(
-                    order, trans_a, trans_b, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc,
-                )
-            }
-        }
+    let f = FALLBACK.load(Ordering::Acquire);
+    if f == 0 {
+        // `_blas.py` makes this library global only after setting the fallback.
+        std::process::abort();
     }
-}
-
-/// The plain triple loop, for calls before a fallback is set (slow, exact CBLAS semantics).
-#[allow(clippy::too_many_arguments)]
-unsafe fn reference(
-    order: i32,
-    trans_a: i32,
-    trans_b: i32,
-    m: i32,
-    n: i32,
-    k: i32,
-    alpha: f32,
-    a: *const f32,
-    lda: i32,
-    b: *const f32,
-    ldb: i32,
-    beta: f32,
-    c: *mut f32,
-    ldc: i32,
-) {
-    let (m, n, k) = (m.max(0) as usize, n.max(0) as usize, k.max(0) as usize);
-    let (lda, ldb, ldc) = (lda as usize, ldb as usize, ldc as usize);
-    let col = order == COL_MAJOR;
-    // Element (i, j) of a matrix stored with leading dimension `ld`, honouring order and transpose.
-    let at = |p: *const f32, ld: usize, trans: bool, i: usize, j: usize| {
-        let (i, j) = if trans { (j, i) } else { (i, j) };
-        // SAFETY: the caller's contract.
-        unsafe { *p.add(if col { j * ld + i } else { i * ld + j }) }
-    };
-    for i in 0..m {
-        for j in 0..n {
-            let mut s = 0.0f32;
-            for l in 0..k {
-                s += at(a, lda, trans_a != NO_TRANS, i, l) * at(b, ldb, trans_b != NO_TRANS, l, j);
-            }
-            let idx = if col { j * ldc + i } else { i * ldc + j };
-            // SAFETY: the caller's contract.
-            unsafe {
-                let old = if beta == 0.0 { 0.0 } else { beta * *c.add(idx) };
-                *c.add(idx) = alpha * s + old;
-            }
-        }
+    // SAFETY: `f` is the address of the BLAS's own `cblas_sgemm` (same signature),
+    // called with the caller's arguments and contract.
+    unsafe {
+        let f: Sgemm = std::mem::transmute::<usize, Sgemm>(f);
+        f(
+            order, trans_a, trans_b, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc,
+        )
     }
 }

@@ -109,26 +109,22 @@ pub unsafe fn sgemm(
     };
     let pool = pool();
     let threads = pool.map_or(1, |p| p.current_num_threads() + 1);
-    // Whole 8-column vectors per thread, as even as they go.
-    let vectors = n.div_ceil(8);
-    let per = vectors.div_ceil(threads);
-    let ranges: Vec<(usize, usize)> = (0..threads)
-        .map(|t| ((t * per * 8).min(n), ((t + 1) * per * 8).min(n)))
-        .filter(|(lo, hi)| lo < hi)
-        .collect();
-    let Some(pool) = pool.filter(|_| ranges.len() > 1) else {
+    // Whole 8-column vectors per thread, as even as they go; `busy` threads get some.
+    let per = (n.div_ceil(8).div_ceil(threads) * 8).max(8);
+    let busy = n.div_ceil(per);
+    let Some(pool) = pool.filter(|_| busy > 1) else {
         // SAFETY: the caller's contract, over all columns.
         unsafe { columns(ops, 0, n) };
         return;
     };
     pool.in_place_scope(|s| {
-        for &(lo, hi) in &ranges[1..] {
+        for t in 1..busy {
+            let (lo, hi) = (t * per, ((t + 1) * per).min(n));
             // SAFETY: the caller's contract; the ranges are disjoint.
             s.spawn(move |_| unsafe { columns(ops, lo, hi) });
         }
-        let (lo, hi) = ranges[0];
-        // SAFETY: as above, on this thread.
-        unsafe { columns(ops, lo, hi) };
+        // SAFETY: as above, the first range, on this thread.
+        unsafe { columns(ops, 0, per.min(n)) };
     });
 }
 
