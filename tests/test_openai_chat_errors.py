@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import http.client
 import json
+import re
 import threading
 from collections.abc import Iterator
 from typing import Any
@@ -146,6 +147,75 @@ def test_sdk_error_classes(env: dict[str, Any]) -> None:
     ):
         s.get_final_completion()
     assert ctx.value.body["code"] == "context_length_exceeded"  # type: ignore[index]
+
+
+#: litellm's test for a context overflow (ContextWindowExceededError), with the limit.
+LITELLM_OVERFLOW = re.compile(r"maximum context length is (\d+) tokens")
+
+
+def langchain_overflow(e: Exception) -> bool:
+    """langchain's test for a context overflow: the text of the SDK's exception only
+    (openai 3.x no longer prints the body there, just the message)."""
+    return "context_length_exceeded" in str(e) or "prompt is too long" in str(e)
+
+
+@pytest.mark.parametrize(
+    ("caps", "stream", "named"),
+    [
+        ({"max_tokens": 7000}, False, "max_tokens"),
+        ({"max_completion_tokens": 7000}, False, "max_completion_tokens"),
+        ({"max_completion_tokens": 7000}, True, "max_completion_tokens"),
+        ({"max_tokens": 16, "max_completion_tokens": 7000}, False, "max_completion_tokens"),
+    ],
+    ids=["max_tokens", "max_completion_tokens", "stream", "both"],
+)
+def test_context_overflow_in_the_words_clients_match(
+    env: dict[str, Any], caps: dict[str, int], stream: bool, named: str
+) -> None:
+    eng = env["engines"]["scripted"]
+    before = eng.stats().requests_total
+    c = env["client"]
+    with pytest.raises(openai.BadRequestError) as ctx:
+        c.chat.completions.create(
+            model="scripted", messages=user("word " * 1500), stream=stream, **caps
+        )
+    e = ctx.value
+    assert e.code == "context_length_exceeded" and e.param == named, e.body
+    assert langchain_overflow(e), str(e)
+    m = LITELLM_OVERFLOW.search(str(e))
+    assert m is not None and int(m.group(1)) == 8192, str(e)
+    assert f"for {named})" in str(e) and f"lower {named} to at most" in str(e), str(e)
+    if named == "max_completion_tokens":  # the field it sent, not one it did not
+        assert "max_tokens" not in str(e).replace("max_completion_tokens", ""), str(e)
+    assert eng.stats().requests_total == before  # refused before any model work
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_prompt_alone_over_the_context_is_named_by_its_messages(
+    env: dict[str, Any], stream: bool
+) -> None:
+    c = env["client"]
+    with pytest.raises(openai.BadRequestError) as ctx:
+        c.chat.completions.create(
+            model="scripted", messages=user("word " * 6000), stream=stream, max_completion_tokens=8
+        )
+    e = ctx.value
+    assert e.code == "context_length_exceeded" and e.param == "messages", e.body
+    assert langchain_overflow(e) and "prompt is too long" in str(e), str(e)
+    assert LITELLM_OVERFLOW.search(str(e)), str(e)
+    # The same conversation in the Anthropic dialect keeps the words Claude Code compacts on.
+    r = httpx.post(
+        env["url"] + "/v1/messages",
+        json={
+            "model": "scripted",
+            "max_tokens": 8,
+            "messages": user("word " * 6000),
+        },
+        headers={**BEARER, "anthropic-version": "2023-06-01"},
+        timeout=30,
+    )
+    msg = r.json()["error"]["message"]
+    assert re.fullmatch(r"prompt is too long: \d+ tokens > 8192 maximum", msg), msg
 
 
 def test_auth_and_size_envelopes(env: dict[str, Any]) -> None:

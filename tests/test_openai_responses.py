@@ -362,7 +362,17 @@ def test_other_error_statuses(env: dict[str, Any]) -> None:
         c.responses.create(model="broken", input="x")
     with pytest.raises(openai.BadRequestError) as ctx:
         c.responses.create(model="scripted", input="word " * 1500, max_output_tokens=7000)
-    assert ctx.value.body["code"] == "context_length_exceeded"  # type: ignore[index]
+    e = ctx.value
+    assert e.code == "context_length_exceeded" and e.param == "max_output_tokens", e.body
+    # What langchain (the SDK exception's text) and litellm match on.
+    assert "context_length_exceeded" in str(e) and "prompt is too long" in str(e), str(e)
+    assert "maximum context length is 8192 tokens" in str(e), str(e)
+    assert "lower max_output_tokens to at most" in str(e), str(e)
+    with pytest.raises(openai.BadRequestError) as ctx:
+        c.responses.create(model="scripted", input="word " * 6000, max_output_tokens=8)
+    e = ctx.value
+    assert e.code == "context_length_exceeded" and e.param == "input", e.body
+    assert "prompt is too long" in str(e) and "maximum context length is 8192" in str(e), str(e)
     with (
         openai.OpenAI(base_url=env["url"] + "/v1", api_key="wrong", max_retries=0) as bad,
         pytest.raises(openai.AuthenticationError),

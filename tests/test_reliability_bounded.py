@@ -147,7 +147,9 @@ def test_a_giant_prompt_is_refused_untokenized_with_a_true_lower_bound(
         timeout=120,
     )
     assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
-    said = int(re.search(r"\((\d+) in the messages", r.json()["error"]["message"]).group(1))  # type: ignore[union-attr]
+    said_m = re.search(r"messages resulted in (\d+) tokens", r.json()["error"]["message"])
+    assert said_m is not None, r.json()
+    said = int(said_m.group(1))
     exact = env["engines"]["scripted"].count_tokens(chat(small))
     assert limit < said <= exact
 

@@ -32,6 +32,7 @@ with ``Retry-After``).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,6 +64,10 @@ ERROR_KINDS: dict[str, ErrorKind] = {
     "internal": ErrorKind(500, "api_error", "server_error"),
     "model_load": ErrorKind(500, "api_error", "server_error"),
 }
+
+
+#: ``what`` of a ContextLengthExceeded whose limit is the model's own context.
+_CONTEXT = "the model's context"
 
 
 def error_kind(kind: str) -> ErrorKind:
@@ -106,11 +111,22 @@ class ContextLengthExceeded(InvalidRequest):
     """The prompt, or prompt + max_tokens, does not fit in ``limit`` tokens.
 
     ``room`` is how many new tokens would fit (``limit`` less the prompt).
-    The message is in the words clients act on: Anthropic clients (Claude
-    Code compacts its conversation on it) read ``prompt is too long: N tokens
-    > M maximum`` when the prompt alone is too long; OpenAI clients (litellm
-    maps it to ContextWindowExceededError) read ``maximum context length is M
-    tokens``.
+    The message is in the words clients act on, per dialect:
+
+    - Anthropic: ``prompt is too long: N tokens > M maximum`` when the prompt
+      alone is too long (Claude Code compacts its conversation on it; keep
+      it word for word);
+    - OpenAI (:meth:`message_for`): OpenAI's own sentence, ``This model's
+      maximum context length is M tokens. However, ...`` (litellm maps it to
+      ContextWindowExceededError), which also says ``prompt is too long``
+      and names the code ``context_length_exceeded``: the openai SDK puts
+      only the message in ``str(error)``, and langchain looks for either
+      phrase there.
+
+    ``prompt_param`` / ``max_tokens_param`` are the request fields the
+    message and ``param`` name (:meth:`named`: ``input`` and
+    ``max_output_tokens`` in Responses, ``max_completion_tokens`` when a
+    chat request sent that).
     """
 
     kind = "context_length"
@@ -121,46 +137,80 @@ class ContextLengthExceeded(InvalidRequest):
         prompt_tokens: int,
         limit: int,
         max_tokens: int | None = None,
-        what: str = "the model's context",
-        hint: str = "",
+        what: str = _CONTEXT,
+        advise_clamp: bool = False,
+        prompt_param: str = "messages",
+        max_tokens_param: str = "max_tokens",
     ) -> None:
         self.prompt_tokens = prompt_tokens
         self.limit = limit
         self.max_tokens = max_tokens
         self.what = what
-        self.hint = hint
+        self.advise_clamp = advise_clamp
+        self.prompt_param = prompt_param
+        self.max_tokens_param = max_tokens_param
         self.room = limit - prompt_tokens
+        mt = max_tokens_param
         if max_tokens is None:
             message = f"prompt is too long: {prompt_tokens} tokens > {limit} maximum"
-            param = "messages"
+            param = prompt_param
         else:
             message = (
-                f"prompt ({prompt_tokens} tokens) + max_tokens ({max_tokens}) = "
+                f"prompt ({prompt_tokens} tokens) + {mt} ({max_tokens}) = "
                 f"{prompt_tokens + max_tokens} tokens > {limit} maximum ({what})"
             )
-            param = "max_tokens"
-        super().__init__(message + hint, param=param)
+            param = mt
+        if self._advice():
+            message += f"; {self._advice()}"
+        super().__init__(message, param=param)
 
-    def with_hint(self, hint: str) -> ContextLengthExceeded:
-        """The same error with ``hint`` appended to its message (every dialect)."""
-        return ContextLengthExceeded(
-            prompt_tokens=self.prompt_tokens,
-            limit=self.limit,
-            max_tokens=self.max_tokens,
-            what=self.what,
-            hint=self.hint + hint,
+    def _advice(self) -> str:
+        if not (self.advise_clamp and self.max_tokens is not None):
+            return ""
+        return (
+            f"lower {self.max_tokens_param} to at most {self.room}, or start the server "
+            "with --clamp-max-tokens to generate up to the context instead"
         )
+
+    def _replace(self, **changes: Any) -> ContextLengthExceeded:
+        fields = {
+            "prompt_tokens": self.prompt_tokens,
+            "limit": self.limit,
+            "max_tokens": self.max_tokens,
+            "what": self.what,
+            "advise_clamp": self.advise_clamp,
+            "prompt_param": self.prompt_param,
+            "max_tokens_param": self.max_tokens_param,
+        }
+        return ContextLengthExceeded(**(fields | changes))
+
+    def with_clamp_advice(self) -> ContextLengthExceeded:
+        """The same error, advising a lower max_tokens or ``--clamp-max-tokens`` (every dialect)."""
+        return self._replace(advise_clamp=True)
+
+    def named(self, prompt_param: str, max_tokens_param: str) -> ContextLengthExceeded:
+        """The same error naming the request's own fields (``param`` and message)."""
+        return self._replace(prompt_param=prompt_param, max_tokens_param=max_tokens_param)
 
     def message_for(self, dialect: str) -> str:
         if not dialect.startswith("openai"):
             return self.message
-        completion = self.max_tokens or 0
-        return (
-            f"This model's maximum context length is {self.limit} tokens. However, you "
-            f"requested {self.prompt_tokens + completion} tokens ({self.prompt_tokens} in the "
-            f"messages, {completion} in the completion). Please reduce the length of the "
-            f"messages or completion.{self.hint}"
-        )
+        n, p, mt = self.prompt_tokens, self.prompt_param, self.max_tokens_param
+        where = "" if self.what == _CONTEXT else f" ({self.what})"
+        head = f"This model's maximum context length is {self.limit} tokens{where}. However, "
+        if self.max_tokens is None:
+            body = (
+                f"your {p} resulted in {n} tokens: the prompt is too long. "
+                f"Please reduce the length of the {p}"
+            )
+        else:
+            body = (
+                f"you requested {n + self.max_tokens} tokens ({n} in the {p}, "
+                f"{self.max_tokens} for {mt}): the prompt is too long to leave room for "
+                f"{mt}. Please reduce the length of the {p}, or "
+                + (self._advice() or f"lower {mt}")
+            )
+        return f"{head}{body}. (code: {error_kind(self.kind).openai_code})"
 
 
 class ModelNotFound(CairnError):

@@ -99,6 +99,10 @@ class DialectRequest(Protocol):
     stream: bool
     #: No max_tokens given: the answer may use all the room the prompt leaves.
     open_ended: bool
+    #: The request fields that hold the prompt and the token cap, as a
+    #: context-length error names them (``input`` / ``max_output_tokens`` ...).
+    prompt_param: str
+    max_tokens_param: str
 
 
 R = TypeVar("R", bound=DialectRequest)
@@ -164,7 +168,12 @@ async def _start(
     arrived = announce() if announce is not None else None
     try:
         clamp = state.config.clamp_max_tokens or req.open_ended
-        prepared = await prepare_generation(lease, req.chat, clamp_max_tokens=clamp)
+        prepared = await prepare_generation(
+            lease,
+            req.chat,
+            clamp_max_tokens=clamp,
+            params=(req.prompt_param, req.max_tokens_param),
+        )
         n = int(prepared.num_prompt_tokens)
         codec = make_codec(req, state, lease, n)
         opening = codec.open()
@@ -206,24 +215,28 @@ async def _loads_too_long(state: AppState, name: str, start: asyncio.Future[Any]
 
 
 async def prepare_generation(
-    sm: ServedModel, chat: ChatRequest, *, clamp_max_tokens: bool = False
+    sm: ServedModel,
+    chat: ChatRequest,
+    *,
+    clamp_max_tokens: bool = False,
+    params: tuple[str, str] = ("messages", "max_tokens"),
 ) -> Any:
     """Template, tokenize and check ``chat`` off the event loop (400s raised here).
 
     With ``clamp_max_tokens`` a request whose prompt fits but whose
     ``max_tokens`` does not is given the room that is left instead of a 400.
+    ``params`` are the request's names for its prompt and its token cap, as a
+    context-length error names them.
     """
     try:
         prepared = await asyncio.to_thread(
             sm.engine.prepare, chat, clamp_max_tokens=clamp_max_tokens
         )
     except ContextLengthExceeded as e:
-        if clamp_max_tokens or e.max_tokens is None:
-            raise
-        raise e.with_hint(
-            f"; lower max_tokens to at most {e.room}, or start the server "
-            "with --clamp-max-tokens to generate up to the context instead"
-        ) from None
+        e = e.named(*params)
+        if not clamp_max_tokens:
+            e = e.with_clamp_advice()  # only a max_tokens overflow carries the advice
+        raise e from None
     chat.max_tokens = prepared.max_tokens  # the codecs echo the cap that was used
     return prepared
 

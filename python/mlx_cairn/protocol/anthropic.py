@@ -71,6 +71,8 @@ class AnthropicRequest:
     is_title: bool = False
     #: Always False: ``max_tokens`` is required in this dialect.
     open_ended: bool = False
+    prompt_param: str = "messages"
+    max_tokens_param: str = "max_tokens"
 
 
 def parse_messages_request(body: Any, *, max_tokens_limit: int) -> AnthropicRequest:

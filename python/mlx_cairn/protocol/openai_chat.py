@@ -106,6 +106,9 @@ class OpenAIChatRequest:
     include_usage: bool = False
     #: No max_tokens / max_completion_tokens given: run to the end of the context.
     open_ended: bool = False
+    prompt_param: str = "messages"
+    #: The field the cap came from, as a context-length error names it.
+    max_tokens_param: str = "max_tokens"
 
 
 def parse_chat_request(body: Any, *, max_tokens_limit: int) -> OpenAIChatRequest:
@@ -120,9 +123,11 @@ def parse_chat_request(body: Any, *, max_tokens_limit: int) -> OpenAIChatRequest
         raise fail("messages", "field required")
     messages = _map_messages(body["messages"])
 
-    mt = opt_max_tokens(body, "max_completion_tokens", max_tokens_limit)
+    cap = "max_completion_tokens"
+    mt = opt_max_tokens(body, cap, max_tokens_limit)
     if mt is None:
-        mt = opt_max_tokens(body, "max_tokens", max_tokens_limit)
+        cap = "max_tokens"
+        mt = opt_max_tokens(body, cap, max_tokens_limit)
     open_ended = mt is None
 
     sampling = read_sampling(body, max_temperature=2.0)
@@ -160,7 +165,7 @@ def parse_chat_request(body: Any, *, max_tokens_limit: int) -> OpenAIChatRequest
         effort_param="reasoning_effort",
         output=output_format(body.get("response_format"), "response_format", nested=True),
     )
-    return OpenAIChatRequest(chat, model, stream, include_usage, open_ended)
+    return OpenAIChatRequest(chat, model, stream, include_usage, open_ended, max_tokens_param=cap)
 
 
 def _map_messages(raw: Any) -> list[Message]:

@@ -80,6 +80,8 @@ class ResponsesRequest:
     open_ended: bool = False
     #: Request settings echoed in every response object.
     echo: dict[str, Any] = field(default_factory=dict)
+    prompt_param: str = "input"
+    max_tokens_param: str = "max_output_tokens"
 
 
 def parse_responses_request(
