@@ -62,9 +62,17 @@ def test_each_model_is_its_listing_entry(client: TestClient, headers: dict[str, 
         assert r.status_code == 200 and r.json() == entry
 
 
+def load(client: TestClient, model: str = "scripted") -> None:
+    """Have ``model`` loaded (a count_tokens request loads it, as any request does)."""
+    body = {"model": model, "messages": [{"role": "user", "content": "x"}]}
+    r = client.post("/v1/messages/count_tokens", json=body, headers=ANTHROPIC)
+    assert r.status_code == 200, r.text
+
+
 def test_model_shapes(client: TestClient) -> None:
+    load(client)
     a = client.get("/v1/models/scripted", headers=ANTHROPIC).json()
-    assert set(a) == {"type", "id", "display_name", "created_at", "loaded"}
+    assert set(a) == {"type", "id", "display_name", "created_at", "loaded", "context_length"}
     assert a["type"] == "model" and a["id"] == "scripted" and a["created_at"].endswith("Z")
     o = client.get("/v1/models/scripted", headers=KEY).json()
     assert o == {
@@ -72,11 +80,14 @@ def test_model_shapes(client: TestClient) -> None:
         "object": "model",
         "created": o["created"],
         "owned_by": "mlx-cairn",
-        "loaded": o["loaded"],
+        "loaded": True,
+        "context_length": 8192,
+        "max_model_len": 8192,
     }
 
 
 def test_model_ids_resolve_like_generation_requests(client: TestClient) -> None:
+    load(client)
     created = client.get("/v1/models/scripted", headers=KEY).json()["created"]
     for name in ("fast", "claude-haiku-4-5-20251001", "default"):  # alias, glob, default
         r = client.get(f"/v1/models/{name}", headers=KEY)
@@ -86,7 +97,9 @@ def test_model_ids_resolve_like_generation_requests(client: TestClient) -> None:
             "object": "model",
             "created": created,
             "owned_by": "mlx-cairn",
-            "loaded": r.json()["loaded"],
+            "loaded": True,
+            "context_length": 8192,
+            "max_model_len": 8192,
         }
     # Without --default-model, a claude-* name no alias matches is unknown.
     r = client.get("/v1/models/claude-sonnet-4-5", headers=ANTHROPIC)
@@ -118,6 +131,41 @@ def test_model_by_id_is_behind_the_gate(client: TestClient) -> None:
     for headers in ({}, {"x-api-key": "wrong"}):
         r = client.get("/v1/models/scripted", headers=headers)
         assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
+
+
+@pytest.mark.parametrize("headers", [KEY, ANTHROPIC], ids=["openai", "anthropic"])
+def test_models_report_their_context_length_once_loaded(
+    engine: Engine, headers: dict[str, str]
+) -> None:
+    # A model is loaded on first use; until then its context is not known.
+    with TestClient(make_app(engine, aliases=ALIASES)) as c:
+        before = c.get("/v1/models", headers=headers).json()["data"]
+        assert before and all(
+            "context_length" not in m and "max_model_len" not in m for m in before
+        )
+        load(c)
+        listing = c.get("/v1/models", headers=headers).json()["data"]
+        assert {m["id"]: m["context_length"] for m in listing} == {"scripted": 8192, "fast": 8192}
+        for m in listing:
+            assert c.get(f"/v1/models/{m['id']}", headers=headers).json() == m
+            if headers is KEY:  # vLLM's name for it too
+                assert m["max_model_len"] == 8192
+    assert engine.context_length == 8192
+
+
+def test_sdks_see_the_context_length(client: TestClient) -> None:
+    load(client)
+    base = str(client.base_url)
+    with openai.OpenAI(
+        base_url=base + "/v1", api_key=TOKEN, http_client=TestClient(client.app), max_retries=0
+    ) as o:
+        models = {m.id: m for m in o.models.list()}
+        assert models["scripted"].model_extra == {
+            "loaded": True,
+            "context_length": 8192,
+            "max_model_len": 8192,
+        }
+        assert o.models.retrieve("fast").model_extra["context_length"] == 8192  # type: ignore[index]
 
 
 def test_model_by_id_loads_nothing() -> None:

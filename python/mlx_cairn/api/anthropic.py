@@ -37,6 +37,8 @@ def _models_body(models: list[ModelInfo]) -> dict[str, Any]:
             "created_at": dt.datetime.fromtimestamp(m.created, dt.timezone.utc)
             .isoformat()
             .replace("+00:00", "Z"),
+            # Not in Anthropic's shape: an extra field its clients ignore.
+            **({"context_length": m.context_length} if m.context_length is not None else {}),
         }
         for m in models
     ]

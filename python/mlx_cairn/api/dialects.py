@@ -53,6 +53,9 @@ class ModelInfo:
     target: str
     created: int
     loaded: bool
+    #: The most tokens (prompt + answer) one request may hold; None until the
+    #: model has been loaded once (it is read from the loaded model).
+    context_length: int | None = None
 
 
 @dataclass(frozen=True)

@@ -177,6 +177,9 @@ class ServedModel:
     loads: int = 0
     unloads: int = 0
     memory_bytes: int = 0
+    #: The engine's context (after ``--context-length``), kept across unloads:
+    #: the model listings report it.
+    context_length: int | None = None
     download: Progress | None = None
     _loading: concurrent.futures.Future[None] | None = field(default=None, repr=False)
     _turns: _Turns = field(default_factory=lambda: _Turns(), repr=False)
@@ -654,6 +657,7 @@ class ModelRegistry:
             sm.loaded_at = sm.last_used = time.time()
             sm.loads += 1
             sm.memory_bytes = measured_bytes(loaded, engine) or sm.memory_bytes
+            sm.context_length = _context_length(engine, loaded) or sm.context_length
             extra = getattr(loaded, "name", None)
             if isinstance(extra, str) and extra and extra not in self._by_name:
                 sm.names.append(extra)
@@ -847,7 +851,17 @@ def _clear_mlx_cache() -> None:
 
 
 def _info(name: str, sm: ServedModel) -> ModelInfo:
-    return ModelInfo(name, sm.name, sm.created, sm.engine is not None)
+    return ModelInfo(name, sm.name, sm.created, sm.engine is not None, sm.context_length)
+
+
+def _context_length(engine: Any, loaded: Any) -> int | None:
+    """The context a request is checked against: the engine's (``cairn serve`` refuses
+    a KV pool that cannot hold it), else the model's own."""
+    for owner in (engine, loaded):
+        n = getattr(owner, "context_length", None)
+        if isinstance(n, int) and not isinstance(n, bool) and n > 0:
+            return n
+    return None
 
 
 def _default_loader(source: str | None) -> Any:

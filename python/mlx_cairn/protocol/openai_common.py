@@ -68,14 +68,19 @@ def error_body(status: int, kind: str, message: str, param: str | None) -> dict[
 
 
 def models_body(models: list[Any]) -> dict[str, Any]:
-    """``GET /v1/models`` in the OpenAI shape."""
-    return {
-        "object": "list",
-        "data": [
-            {"id": m.id, "object": "model", "created": m.created, "owned_by": "mlx-cairn"}
-            for m in models
-        ],
-    }
+    """``GET /v1/models`` in the OpenAI shape.
+
+    Each entry carries the model's context, once known, under the names
+    OpenAI-compatible peers use: ``context_length`` (LM Studio, OpenRouter)
+    and ``max_model_len`` (vLLM); clients size their prompts by them.
+    """
+    data = []
+    for m in models:
+        entry = {"id": m.id, "object": "model", "created": m.created, "owned_by": "mlx-cairn"}
+        if m.context_length is not None:
+            entry["context_length"] = entry["max_model_len"] = m.context_length
+        data.append(entry)
+    return {"object": "list", "data": data}
 
 
 # ---------------------------------------------------------------- validation
