@@ -71,3 +71,31 @@ def test_a_grammar_waits_for_the_end_of_reasoning(lm):
     allowed = [i for i, v in enumerate(after.tolist()) if v == 0.0]
     texts = {lm.tokenizer.decode([i]) for i in allowed}
     assert texts and all("true".startswith(t) or "false".startswith(t) for t in texts), texts
+
+
+def test_closed_reads_silence_on_other_keys_as_none():
+    """Forced and strict tool arguments: an object that lists properties and says
+    nothing of others takes no others; what says otherwise is kept."""
+    schema = {
+        "type": "object",
+        "properties": {
+            "a": {"type": "object", "properties": {"x": {"type": "integer"}}},
+            "free": {"type": "object"},
+            "open": {"type": "object", "properties": {}, "additionalProperties": True},
+            "list": {"type": "array", "items": {"properties": {"y": {}}}},
+            "both": {"allOf": [{"properties": {"p": {}}}, {"properties": {"q": {}}}]},
+        },
+        "$defs": {"d": {"properties": {"z": {}}}},
+        "anyOf": [{"properties": {"k": {}}}],
+    }
+    out = constrain.closed(schema)
+    props = out["properties"]
+    assert out["additionalProperties"] is False
+    assert props["a"]["additionalProperties"] is False
+    assert "additionalProperties" not in props["free"]
+    assert props["open"]["additionalProperties"] is True
+    assert props["list"]["items"]["additionalProperties"] is False
+    assert all("additionalProperties" not in p for p in props["both"]["allOf"])
+    assert out["$defs"]["d"]["additionalProperties"] is False
+    assert out["anyOf"][0]["additionalProperties"] is False
+    assert "additionalProperties" not in schema  # the client's schema is not changed

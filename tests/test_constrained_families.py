@@ -235,6 +235,23 @@ def test_a_wrong_tool_or_a_bad_argument_is_refused(fam):
     assert not fam.accepts(named, VALID[fam.family])
 
 
+def test_a_schema_silent_on_other_keys_refuses_them(fam):
+    """No ``additionalProperties`` (langchain's ``@tool`` schemas): a forced call holds
+    only the listed keys (:func:`mlx_cairn.constrain.closed`)."""
+    open_schema = {k: v for k, v in BY_NAME["get_weather"].parameters.items()}
+    del open_schema["additionalProperties"]
+    g = fam.grammar([Tool("get_weather", "", open_schema)], parallel=False)
+    assert fam.accepts(g, VALID[fam.family])
+    sampled = [fam.sample(g, np.random.default_rng(i))[0] for i in range(4)]
+    for text in sampled:
+        calls, _ = fam.calls(text, TOOLS)
+        for c in calls:
+            assert set(json.loads(c.arguments)) <= {"city", "unit"}, text
+    if fam.family == "hermes":
+        bad = VALID["hermes"].replace('"city": "Paris"', '"city": "Paris", "properties": {}')
+        assert not fam.accepts(g, bad), bad
+
+
 @pytest.mark.parametrize("parallel", [False, True])
 def test_sampled_calls_parse_and_validate(fam, parallel):
     """The end-to-end property: random sampling under the mask always yields text the

@@ -20,6 +20,7 @@ tool's input schema, so the output parsers read the result unchanged
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import weakref
 from collections.abc import Iterable, Mapping
@@ -119,6 +120,53 @@ def output_schema(fmt: OutputFormat) -> dict[str, Any]:
     return fmt.schema if fmt.schema is not None else {"type": "object"}
 
 
+#: Keywords whose value is one subschema, a list of them, or a map of them: where
+#: :func:`closed` looks for nested objects.
+_ONE = ("items", "additionalItems", "contains", "not", "if", "then", "else", "propertyNames")
+_LIST = ("prefixItems", "anyOf", "oneOf")
+_MAP = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+_OPEN_KEYS = ("additionalProperties", "unevaluatedProperties", "patternProperties")
+
+
+def closed(schema: Any) -> Any:
+    """``schema`` with every object that lists ``properties`` but says nothing of other
+    keys closed to them (``additionalProperties: false``).
+
+    Tool arguments are written under the strict reading: a client that omits
+    ``additionalProperties`` (langchain's ``@tool`` schemas, most MCP servers)
+    means the keys it lists, and an open object lets a small model write keys
+    of its own until ``max_tokens`` (``"properties": {...}`` inside the
+    arguments). This is xgrammar's strict default, what vLLM and SGLang apply.
+    An object that lists no properties (``{"type": "object"}``) stays open,
+    and so do the branches of an ``allOf``, whose keys are spread over its parts.
+    """
+    if isinstance(schema, list):
+        return [closed(v) for v in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = dict(schema)
+    for k in _ONE:
+        if k in out:
+            out[k] = closed(out[k])
+    for k in _LIST:
+        if isinstance(out.get(k), list):
+            out[k] = [closed(v) for v in out[k]]
+    for k in _MAP:
+        if isinstance(out.get(k), dict):
+            out[k] = {n: closed(v) for n, v in out[k].items()}
+    if isinstance(out.get("additionalProperties"), dict):
+        out["additionalProperties"] = closed(out["additionalProperties"])
+    if isinstance(out.get("properties"), dict) and not any(
+        k in out for k in (*_OPEN_KEYS, "allOf")
+    ):
+        out["additionalProperties"] = False
+    return out
+
+
+def _closed_tool(tool: Tool) -> Tool:
+    return dataclasses.replace(tool, parameters=closed(tool.parameters))
+
+
 def tool_grammar(
     family: str | None,
     tools: list[Tool],
@@ -132,10 +180,15 @@ def tool_grammar(
 
     ``specials``: the tokenizer's special tokens (text -> id); the family's markers
     among them (Mistral's ``[TOOL_CALLS]``, harmony's ``<|channel|>``) are matched as
-    those tokens.
+    those tokens. Arguments follow :func:`closed` schemas (no keys beyond the listed
+    ones unless the schema allows them).
     """
     return tool_grammars.forced(
-        family, tools, parallel=parallel, specials=specials or {}, styled=styled
+        family,
+        [_closed_tool(t) for t in tools],
+        parallel=parallel,
+        specials=specials or {},
+        styled=styled,
     )
 
 
@@ -160,7 +213,10 @@ def strict_tools_grammar(
     """
     if family not in OPEN_TAGS or not any(t.strict for t in tools):
         return None
-    shaped = [t if t.strict else Tool(t.name, t.description, {"type": "object"}) for t in tools]
+    shaped = [
+        _closed_tool(t) if t.strict else Tool(t.name, t.description, {"type": "object"})
+        for t in tools
+    ]
     return tool_grammars.lazy(
         family, shaped, parallel=parallel, specials=specials or {}, eos=eos, styled=styled
     )

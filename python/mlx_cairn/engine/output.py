@@ -15,6 +15,8 @@ import re
 import secrets
 from typing import Any
 
+import orjson
+
 from mlx_cairn.engine.sequence import PreparedRequest
 from mlx_cairn.text import TextPipeline, decode_skips, tool_schemas
 from mlx_cairn.types import Event, ReasoningDelta, TextDelta, ToolCall
@@ -38,6 +40,15 @@ class SequenceOutput:
             tool_schemas=tool_schemas(family, prepared.request.tools),
         )
         self.saw_tool_call = False
+        # Under tool_choice "required" the model must call and then may stop; a
+        # small model that would rather go on writes the same call again and
+        # again. A call it already made this turn ends the turn instead: the
+        # client would only run the same tool twice with the same input.
+        req = prepared.request
+        self._end_on_repeat = req.offers_tools and req.tool_choice == "required"
+        self._calls: set[tuple[str, bytes]] = set()
+        #: The turn ended at a repeated call (dropped); nothing more is read.
+        self.repeated = False
 
     def push(self, token_id: int) -> tuple[list[Event], str | None]:
         """Feed one sampled (non-EOS) token; return its events and a matched stop, if any."""
@@ -58,9 +69,29 @@ class SequenceOutput:
         if final and matched is None:
             segments = [*segments, *self._pipeline.flush()]
         events = [_event(s) for s in segments if s.kind == "tool_call" or s.text]
+        if self._end_on_repeat:
+            events = self._until_repeat(events)
         if any(isinstance(e, ToolCall) for e in events):
             self.saw_tool_call = True
         return events, matched
+
+    def _until_repeat(self, events: list[Event]) -> list[Event]:
+        for i, ev in enumerate(events):
+            if isinstance(ev, ToolCall):
+                key = (ev.name, _canonical(ev.arguments))
+                if key in self._calls:
+                    self.repeated = True
+                    return events[:i]
+                self._calls.add(key)
+        return events
+
+
+def _canonical(arguments: str) -> bytes:
+    """The arguments as one JSON value with sorted keys (the text when not JSON)."""
+    try:
+        return orjson.dumps(orjson.loads(arguments), option=orjson.OPT_SORT_KEYS)
+    except orjson.JSONDecodeError:
+        return arguments.encode()
 
 
 def _event(seg: Any) -> Event:

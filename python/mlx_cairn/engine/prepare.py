@@ -300,6 +300,10 @@ def compile_grammar(loaded: Any, request: ChatRequest) -> Any:
     forced = _forced_tools(request)
     fmt = request.output_format
     specials = loaded.tokenizer.special_tokens
+    # A named choice is one call of that tool, whatever parallel_tool_calls says:
+    # the turn ends after it (a second call of a tool the client asked for once
+    # is a loop, and agent frameworks would run it twice).
+    parallel = request.parallel_tool_calls and not isinstance(request.tool_choice, dict)
     param = "tools" if forced is not None else fmt.param if fmt is not None else "tools"
     try:
         tools_text = None
@@ -307,7 +311,7 @@ def compile_grammar(loaded: Any, request: ChatRequest) -> Any:
             tools_text = constrain.tool_grammar(
                 family,
                 forced if forced is not None else list(request.tools),
-                parallel=request.parallel_tool_calls,
+                parallel=parallel,
                 specials=specials,
             )
         if fmt is not None:
@@ -320,7 +324,7 @@ def compile_grammar(loaded: Any, request: ChatRequest) -> Any:
             lazy = constrain.strict_tools_grammar(
                 family,
                 list(request.tools),
-                parallel=request.parallel_tool_calls,
+                parallel=parallel,
                 specials=specials,
                 eos=loaded.eos_token_ids,
             )

@@ -357,7 +357,9 @@ class StateUpdate:
                 events, matched = out.push(token)
                 if logprob is not None:
                     events.insert(0, self._logprob_event(token, logprob))
-                if matched is not None:
+                if out.repeated:  # a forced turn's repeated call ends it (SequenceOutput)
+                    reason = "end_turn"
+                elif matched is not None:
                     reason = "stop_sequence"
                 elif seq.num_output >= seq.prepared.max_tokens:
                     events += out.flush()

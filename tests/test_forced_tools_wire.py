@@ -1,0 +1,198 @@
+"""Forced tool choices through the official SDKs, parallel calls left at their default.
+
+The embedded SmolLM2 would rather ramble: left alone it writes the same call
+again and again. A named choice is exactly one call of that tool and the turn
+ends (``tool_calls`` / ``tool_use``); ``required`` / ``any`` is at least one
+call, after which the model may stop. In every dialect, at temperature 0 and
+0.8, the streamed answer (the SDK's own stream helper, which parses the
+argument deltas) equals the JSON one and no markup reaches the text.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import anthropic
+import jsonschema
+import openai
+import pytest
+
+from live_server import registry_for, serve
+from mlx_cairn.engine import Engine
+from mlx_cairn.engine.testing import assert_at_rest
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
+
+SCHEMAS: dict[str, dict[str, Any]] = {
+    "get_weather": {
+        "type": "object",
+        "properties": {"city": {"type": "string"}, "unit": {"enum": ["celsius", "fahrenheit"]}},
+        "required": ["city", "unit"],
+    },
+    "add": {
+        "type": "object",
+        "properties": {"a": {"type": "number"}, "b": {"type": "number"}},
+        "required": ["a", "b"],
+    },
+    "search": {
+        "type": "object",
+        "properties": {"query": {"type": "string", "maxLength": 40}},
+        "required": ["query"],
+    },
+}
+#: (prompt, tool named by the choice or None for required / any). No schema says
+#: ``additionalProperties``: forced calls read it as false.
+CASES = [
+    ("What is the weather in Paris?", None),
+    ("What is 2 plus 3?", "add"),
+    ("Find news about llamas.", "search"),
+    ("Hello!", "get_weather"),
+    ("Tell me a joke.", None),
+]
+MAX_TOKENS = 200
+
+
+@pytest.fixture(scope="module")
+def live(default_model) -> Iterator[dict[str, Any]]:
+    engine = Engine(default_model, max_batch=16, num_blocks=2048)
+    try:
+        with serve(registry_for({"smol": engine})) as srv:
+            oa = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0)
+            an = anthropic.Anthropic(base_url=srv.url, api_key="unused", max_retries=0)
+            yield {"openai": oa, "anthropic": an}
+            oa.close()
+            an.close()
+        assert_at_rest(engine)
+    finally:
+        engine.close()
+
+
+def check_calls(calls: list[tuple[str, str]], want: str | None) -> None:
+    """Named: exactly one call of that tool; required: one or more. Arguments validate
+    against the closed schema (no keys beyond the listed ones)."""
+    assert calls, "no call"
+    if want is not None:
+        assert [n for n, _ in calls] == [want], calls
+    for name, args in calls:
+        closed = {**SCHEMAS[name], "additionalProperties": False}
+        jsonschema.validate(json.loads(args), closed)
+
+
+def both(fn: Callable[[bool], Any], cases: list[Any]) -> list[tuple[Any, Any]]:
+    """``fn(stream)`` for every case, streamed and not, sent together so they batch."""
+    with ThreadPoolExecutor(len(cases) * 2) as pool:
+        whole = [pool.submit(fn, c, False) for c in cases]
+        streamed = [pool.submit(fn, c, True) for c in cases]
+        return [(w.result(), s.result()) for w, s in zip(whole, streamed, strict=True)]
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_chat_completions(live, temperature):
+    client: openai.OpenAI = live["openai"]
+    tools = [
+        {"type": "function", "function": {"name": n, "description": n, "parameters": s}}
+        for n, s in SCHEMAS.items()
+    ]
+
+    def run(case: tuple[str, str | None], stream: bool) -> Any:
+        prompt, want = case
+        choice = "required" if want is None else {"type": "function", "function": {"name": want}}
+        kw: dict[str, Any] = {
+            "model": "smol",
+            "messages": [{"role": "user", "content": prompt}],
+            "tools": tools,
+            "tool_choice": choice,
+            "temperature": temperature,
+            "seed": 3,
+            "max_tokens": MAX_TOKENS,
+        }
+        if not stream:
+            return client.chat.completions.create(**kw)
+        with client.chat.completions.stream(**kw) as s:
+            for _ in s:
+                pass
+            return s.get_final_completion()
+
+    for (prompt, want), (whole, streamed) in zip(CASES, both(run, CASES), strict=True):
+        for out in (whole, streamed):
+            c = out.choices[0]
+            assert c.finish_reason == "tool_calls", (prompt, out)
+            assert not (c.message.content or "").strip(), out
+            check_calls(
+                [(t.function.name, t.function.arguments) for t in c.message.tool_calls], want
+            )
+        calls = [
+            (t.function.name, t.function.arguments) for t in whole.choices[0].message.tool_calls
+        ]
+        got = [
+            (t.function.name, t.function.arguments) for t in streamed.choices[0].message.tool_calls
+        ]
+        assert got == calls
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_responses(live, temperature):
+    client: openai.OpenAI = live["openai"]
+    tools = [{"type": "function", "name": n, "parameters": s} for n, s in SCHEMAS.items()]
+
+    def run(case: tuple[str, str | None], stream: bool) -> Any:
+        prompt, want = case
+        kw: dict[str, Any] = {
+            "model": "smol",
+            "input": prompt,
+            "tools": tools,
+            "tool_choice": "required" if want is None else {"type": "function", "name": want},
+            "temperature": temperature,
+            "max_output_tokens": MAX_TOKENS,
+            "extra_body": {"seed": 3},
+        }
+        if not stream:
+            return client.responses.create(**kw)
+        with client.responses.stream(**kw) as s:
+            for _ in s:
+                pass
+            return s.get_final_response()
+
+    for (prompt, want), (whole, streamed) in zip(CASES, both(run, CASES), strict=True):
+        for out in (whole, streamed):
+            assert out.status == "completed", (prompt, out)
+            assert not out.output_text.strip(), out
+            check_calls(
+                [(o.name, o.arguments) for o in out.output if o.type == "function_call"], want
+            )
+        calls = [(o.name, o.arguments) for o in whole.output if o.type == "function_call"]
+        got = [(o.name, o.arguments) for o in streamed.output if o.type == "function_call"]
+        assert got == calls
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_anthropic(live, temperature):
+    client: anthropic.Anthropic = live["anthropic"]
+    tools = [{"name": n, "description": n, "input_schema": s} for n, s in SCHEMAS.items()]
+
+    def run(case: tuple[str, str | None], stream: bool) -> Any:
+        prompt, want = case
+        kw: dict[str, Any] = {
+            "model": "smol",
+            "max_tokens": MAX_TOKENS,
+            "messages": [{"role": "user", "content": prompt}],
+            "tools": tools,
+            "tool_choice": {"type": "any"} if want is None else {"type": "tool", "name": want},
+            "extra_body": {"temperature": temperature, "seed": 3},
+        }
+        if not stream:
+            return client.messages.create(**kw)
+        with client.messages.stream(**kw) as s:
+            return s.get_final_message()
+
+    for (prompt, want), (whole, streamed) in zip(CASES, both(run, CASES), strict=True):
+        for out in (whole, streamed):
+            assert out.stop_reason == "tool_use", (prompt, out)
+            assert all(b.type == "tool_use" for b in out.content), out
+            check_calls([(b.name, json.dumps(b.input)) for b in out.content], want)
+        assert [b.model_dump(exclude={"id"}) for b in streamed.content] == [
+            b.model_dump(exclude={"id"}) for b in whole.content
+        ]
