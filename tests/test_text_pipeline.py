@@ -9,7 +9,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from _text_helpers import chunked, chunks_of, model_text, ref_stop_scan, run_pipeline
-from mlx_cairn.text import FAMILIES, Segment, TextPipeline, coalesce, parse_output
+from mlx_cairn.text import FAMILIES, OutputParser, Segment, TextPipeline, coalesce, parse_output
 
 WEATHER = '{"name": "get_weather", "arguments": {"city": "NYC"}}'
 
@@ -106,3 +106,80 @@ def test_equals_scan_then_parse_for_any_chunking(
     want = parse_output(visible, family=family, reasoning=reasoning)
     chunks = data.draw(chunked(text))
     assert run_pipeline(stops, chunks, family=family, reasoning=reasoning) == (want, stop)
+
+
+# ---- a stream cut by max_tokens: flush(cut=True) ------------------------------
+
+OPEN_CALL = '<tool_call>{"name": "get_weather", "argu'
+
+
+def run_cut(stops: list[str], chunks: list[str], **kw: object) -> tuple[list[Segment], str | None]:
+    """Like run_pipeline, but generation was cut: the stream ends with flush(cut=True)."""
+    p = TextPipeline(stops, **kw)  # type: ignore[arg-type]
+    segs: list[Segment] = []
+    stop = None
+    for c in chunks:
+        got, m = p.push(c)
+        segs += got
+        stop = stop or m
+    return coalesce([*segs, *p.flush(cut=True)]), stop
+
+
+def parse_cut(text: str, **kw: object) -> list[Segment]:
+    """The one-shot parse of `text` as a stream cut by max_tokens."""
+    p = OutputParser(**kw)  # type: ignore[arg-type]
+    return coalesce([*p.push(text), *p.flush(cut=True)])
+
+
+def test_cut_drops_the_open_call_and_keeps_held_text() -> None:
+    text = f"<think>hm</think>Sure.{OPEN_CALL}"
+    head = [Segment("reasoning", "hm"), Segment("text", "Sure.")]
+    for n in (1, 2, 3, 5, 8):
+        assert run_cut(["###"], chunks_of(text, n), family="hermes", reasoning=True) == (
+            head,
+            None,
+        )
+    # The stream ended instead: the unfinished call comes back as text, as before.
+    assert run_pipeline([], [text], family="hermes", reasoning=True) == (
+        [head[0], Segment("text", f"Sure.{OPEN_CALL}")],
+        None,
+    )
+    # Held text is text: a partial stop match, a partial tag.
+    assert run_cut(["###"], ["Hi ##"]) == ([Segment("text", "Hi ##")], None)
+    assert run_cut([], ["a <tool_ca"], family="hermes") == ([Segment("text", "a <tool_ca")], None)
+    # A closed call stays; after a stop the cut adds nothing.
+    segs, _ = run_cut([], [f"<tool_call>{WEATHER}</tool_call>{OPEN_CALL}"], family="hermes")
+    assert [s.name for s in segs] == ["get_weather"]
+    p = TextPipeline(["###"], family="hermes")
+    assert p.push(f"a###{OPEN_CALL}") == ([Segment("text", "a")], "###")
+    assert p.flush(cut=True) == []
+    # OutputParser: a bare llama3 reply that looks like a call goes, other JSON stays.
+    assert parse_cut('{"name": "f", "parameters": {"q": "x', family="llama3") == []
+    assert parse_cut('{"answer": 4', family="llama3") == [Segment("text", '{"answer": 4')]
+
+
+@given(
+    text=model_text(),
+    stops=stops_st,
+    family=st.sampled_from([None, *FAMILIES]),
+    reasoning=st.booleans(),
+    data=st.data(),
+)
+def test_cut_equals_scan_then_parser_cut_for_any_chunking(
+    text: str, stops: list[str], family: str | None, reasoning: bool, data: st.DataObject
+) -> None:
+    visible, stop = ref_stop_scan(stops, text)
+    flushed = parse_output(visible, family=family, reasoning=reasoning)
+    # A stop ends the stream as the model's own end does; otherwise it was cut.
+    want = flushed if stop is not None else parse_cut(visible, family=family, reasoning=reasoning)
+    chunks = data.draw(chunked(text))
+    assert run_cut(stops, chunks, family=family, reasoning=reasoning) == (want, stop)
+    # The cut is the flushed result up to the call left open.
+    if want:
+        *init, last = want
+        assert flushed[: len(init)] == init
+        got = flushed[len(init)]
+        if last.kind == "text" and got.kind == "text":
+            assert got.text.startswith(last.text)
+        else:
+            assert got == last

@@ -20,6 +20,7 @@ from mlx_cairn.engine import Engine
 from mlx_cairn.engine.testing import closing_at_rest
 from mlx_cairn.text import (
     FAMILIES,
+    OutputParser,
     Segment,
     TextPipeline,
     coalesce,
@@ -219,6 +220,46 @@ def test_random_text_is_chunking_invariant(
             assert s.name and isinstance(json.loads(s.arguments or ""), dict)
         else:
             assert s.text
+
+
+def run_cut(chunks: list[str], family: str, reasoning: bool = True) -> list[Segment]:
+    """Like run_pipeline, but generation was cut by max_tokens: flush(cut=True)."""
+    pipe = TextPipeline([], family=family, reasoning=reasoning)
+    segs: list[Segment] = []
+    for c in chunks:
+        segs += pipe.push(c)[0]
+    return coalesce([*segs, *pipe.flush(cut=True)])
+
+
+@pytest.mark.parametrize("family", NEW)
+def test_a_call_cut_by_max_tokens_is_dropped(family: str) -> None:
+    text = OUTPUTS[family]
+    # Cut inside the arguments: every family's call spells "Paris".
+    cut = text[: text.index("Paris") + 2]
+    before_call = expected(family)[:-1]
+    for n in (1, 2, 3, 7, len(cut)):
+        segs = run_cut(chunks_of(cut, n), family)
+        assert shape(segs) == before_call, n
+    # The stream ended there instead: the open call is parsed or comes back as text.
+    assert shape(run_pipeline([cut], family)) != before_call
+    # A closed call stays under a cut (harmony's closes at <|call|>, which the
+    # engine never hands over: it ends generation, and then flush() runs).
+    closed = text + "<|call|>" if family == "harmony" else text
+    assert shape(run_cut([closed], family)) == expected(family)
+
+
+@given(
+    text=model_text(FRAGMENTS, max_size=24),
+    family=st.sampled_from(NEW),
+    reasoning=st.booleans(),
+    data=st.data(),
+)
+def test_random_text_cut_is_chunking_invariant(
+    text: str, family: str, reasoning: bool, data: st.DataObject
+) -> None:
+    one = OutputParser(family, reasoning)
+    want = coalesce([*one.push(text), *one.flush(cut=True)])
+    assert run_cut(data.draw(chunked(text)), family, reasoning) == want
 
 
 @pytest.mark.parametrize(

@@ -1,7 +1,8 @@
 // Shared harness for the `text_format_*` fuzz targets, one per family of
 // `cairn_text::formats` (included with `#[path]`). For arbitrary text built
 // from the family's syntax: no panics, any chunking equals the one-shot
-// parse, segments are well formed; and a well-formed call whose argument is
+// parse (and cut by max_tokens, any chunking equals the one-shot cut),
+// segments are well formed; and a well-formed call whose argument is
 // arbitrary text (tag text, quotes, escapes) parses to exactly that call,
 // with nothing else around it, under any chunking.
 use arbitrary::Arbitrary;
@@ -100,6 +101,13 @@ fn run_chunks(p: &mut OutputParser, chunks: &[String]) -> Vec<Segment> {
         got.extend(p.push(c));
     }
     got.extend(p.flush());
+    OutputParser::coalesce(got)
+}
+
+/// Like `run_chunks`, for a stream cut by max_tokens (`flush_cut`).
+fn cut_chunks(p: &mut OutputParser, chunks: &[String]) -> Vec<Segment> {
+    let mut got: Vec<Segment> = chunks.iter().flat_map(|c| p.push(c)).collect();
+    got.extend(p.flush_cut());
     OutputParser::coalesce(got)
 }
 
@@ -202,6 +210,8 @@ pub fn run(family: Family, inp: Input) {
     let want = parse_output(&text, Some(family), inp.reasoning, sir).unwrap();
     let mut p = OutputParser::new(Some(family), inp.reasoning, sir).unwrap();
     assert_eq!(run_chunks(&mut p, &chunk(&text, &inp.cuts)), want, "{text:?}");
+    let cut = cut_chunks(&mut p, std::slice::from_ref(&text));
+    assert_eq!(cut_chunks(&mut p, &chunk(&text, &inp.cuts)), cut, "cut {text:?}");
     for s in &want {
         match s {
             Segment::Text(t) | Segment::Reasoning(t) => assert!(!t.is_empty()),

@@ -1,6 +1,7 @@
-//! OutputParser: no panics, any chunking equals the one-shot parse, markers
-//! never reach a segment, and (for tag families) nothing but tags and
-//! whitespace after blocks is lost. Also: a well-formed call whose argument
+//! OutputParser: no panics, any chunking equals the one-shot parse (and, for
+//! a stream cut by max_tokens, the one-shot cut), markers never reach a
+//! segment, and (for tag families) nothing but tags and whitespace after
+//! blocks is lost. Also: a well-formed call whose argument
 //! is arbitrary text (tags, quotes and escapes included) comes back as
 //! exactly that call in every family, under any chunking.
 #![no_main]
@@ -129,6 +130,13 @@ fuzz_target!(|inp: Input| {
     }
     got.extend(p.flush());
     assert_eq!(OutputParser::coalesce(got), want);
+    // Cut by max_tokens (`flush_cut`): any chunking equals the one-shot cut.
+    let mut cut = p.push(&text);
+    cut.extend(p.flush_cut());
+    let chunks = common::chunk(&text, &inp.cuts);
+    let mut got: Vec<Segment> = chunks.iter().flat_map(|c| p.push(c)).collect();
+    got.extend(p.flush_cut());
+    assert_eq!(OutputParser::coalesce(got), OutputParser::coalesce(cut));
 
     // A marker the model spelled around another one (`<|im_<|eot_id|>end|>`)
     // appears once the inner one is dropped; only plain inputs must be clean.

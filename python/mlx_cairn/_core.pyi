@@ -108,7 +108,8 @@ class OutputParser:
     @property
     def starts_in_reasoning(self) -> bool: ...
     def push(self, text: str) -> list[Segment]: ...
-    def flush(self) -> list[Segment]: ...
+    def flush(self, *, cut: bool = False) -> list[Segment]:
+        """Ends the stream; ``cut=True`` (max_tokens) drops a tool call still open."""
 
 @final
 class TextPipeline:
@@ -132,7 +133,8 @@ class TextPipeline:
     @property
     def starts_in_reasoning(self) -> bool: ...
     def push(self, text: str) -> tuple[list[Segment], str | None]: ...
-    def flush(self) -> list[Segment]: ...
+    def flush(self, *, cut: bool = False) -> list[Segment]:
+        """Ends the stream; ``cut=True`` (max_tokens) drops a tool call still open."""
 
 def parse_output(
     text: str,

@@ -27,6 +27,8 @@ the engine uses::
             break                                # stop_reason = stop_sequence
     else:
         segments = pipe.flush()                  # end of generation
+    # Generation cut by max_tokens instead: pipe.flush(cut=True) drops a
+    # tool call left open, where flush() would return it as text.
 
 Semantics in brief (see the class docstrings for details):
 
@@ -52,7 +54,9 @@ Semantics in brief (see the class docstrings for details):
 - ``reasoning=True`` splits ``<think>..</think>`` into reasoning segments;
   ``starts_in_reasoning=True`` is for templates that open ``<think>`` in the
   prompt. End-of-turn markers (``<|im_end|>``, ``<|eot_id|>``, ...) are
-  always dropped. A malformed tool call comes back as text, tags included.
+  always dropped. A malformed tool call comes back as text, tags included;
+  ``flush(cut=True)`` (generation cut by max_tokens) drops a call still open
+  instead, and releases held text as ``flush()`` does.
 - Whitespace right after a reasoning block or a tool call is dropped.
 - Streamed segments may split one text run in several; :func:`coalesce`
   merges them, and ``coalesce(streamed) == parse_output(whole_text)``.

@@ -271,8 +271,15 @@ impl PyOutputParser {
     }
 
     /// Ends the stream: the remaining segments; the parser is then reset.
-    fn flush(&mut self) -> Vec<PySegment> {
-        wrap(self.inner.flush())
+    /// `cut=True`: generation was cut (max_tokens), so a tool call still
+    /// open is dropped instead of coming back as text.
+    #[pyo3(signature = (*, cut = false))]
+    fn flush(&mut self, cut: bool) -> Vec<PySegment> {
+        wrap(if cut {
+            self.inner.flush_cut()
+        } else {
+            self.inner.flush()
+        })
     }
 
     fn __repr__(&self) -> String {
@@ -347,8 +354,15 @@ impl PyTextPipeline {
     }
 
     /// Ends the stream: the remaining segments; the pipeline is then reset.
-    fn flush(&mut self) -> Vec<PySegment> {
-        wrap(self.inner.flush())
+    /// `cut=True`: generation was cut (max_tokens), so a tool call still
+    /// open is dropped instead of coming back as text.
+    #[pyo3(signature = (*, cut = false))]
+    fn flush(&mut self, cut: bool) -> Vec<PySegment> {
+        wrap(if cut {
+            self.inner.flush_cut()
+        } else {
+            self.inner.flush()
+        })
     }
 
     fn __repr__(&self, py: Python<'_>) -> PyResult<String> {

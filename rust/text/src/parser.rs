@@ -68,7 +68,9 @@ enum Mode {
 ///   `starts_in_reasoning` the stream begins inside it (templates that open
 ///   `<think>` in the prompt). Without `reasoning` those tags are plain text.
 /// - Without a family, tool-call tags are plain text.
-/// - A malformed tool call comes back as text, tags included.
+/// - A malformed tool call comes back as text, tags included; at
+///   [`OutputParser::flush_cut`] (generation cut by `max_tokens`) a call
+///   still open is dropped instead.
 /// - Tag text inside a tool call's JSON strings (or a Qwen3-Coder value) is
 ///   part of the call; only end-of-turn markers are dropped there too.
 /// - Whitespace right after a reasoning block or a tool call is dropped (it
@@ -246,8 +248,9 @@ impl OutputParser {
         Self::drain(&mut self.out, out);
     }
 
-    /// Ends the stream: releases held text, parses an unclosed tool call,
-    /// and resets the parser for a new stream.
+    /// Ends the stream (the model finished: end of turn, a stop sequence):
+    /// releases held text, parses an unclosed tool call (as text when it
+    /// does not parse), and resets the parser for a new stream.
     pub fn flush(&mut self) -> Vec<Segment> {
         let mut out = Vec::new();
         self.flush_into(&mut out);
@@ -256,9 +259,50 @@ impl OutputParser {
 
     /// Like [`OutputParser::flush`], appending to `out`.
     pub fn flush_into(&mut self, out: &mut Vec<Segment>) {
+        self.end(false, out);
+    }
+
+    /// Ends a stream that was cut (generation hit `max_tokens`): releases
+    /// held text exactly as [`flush`] does (a possible tag that never
+    /// completed is text), but drops a tool call that is still open, so none
+    /// of its markup reaches the text, and no truncated argument runs.
+    ///
+    /// Open means the model never wrote the call's end, however complete
+    /// the arguments look: `<tool_call>` without `</tool_call>`, a
+    /// `<|python_tag|>` or last `[TOOL_CALLS]` body (they end only with the
+    /// stream), a family's call section without its closing tag (dropped
+    /// whole), a harmony call message without `<|call|>` (or a header that
+    /// already names a tool), `<|python_start|>` without `<|python_end|>`.
+    /// Where a reply may be a call or the answer, it is open only once it
+    /// looks like a call: a Llama reply `{"name"` / `{"function"`, a
+    /// pythonic `[name(`; `{"answer": 4` or `[1, 2` stay text. Calls and
+    /// reasoning already returned stay. Resets the parser.
+    ///
+    /// ```
+    /// use cairn_text::{Family, OutputParser, Segment};
+    /// let mut p = OutputParser::new(Some(Family::Hermes), false, false).unwrap();
+    /// let mut segs = p.push(r#"Checking.<tool_call>{"name": "f", "argu"#);
+    /// segs.extend(p.flush_cut());
+    /// assert_eq!(OutputParser::coalesce(segs), vec![Segment::Text("Checking.".into())]);
+    /// ```
+    ///
+    /// [`flush`]: OutputParser::flush
+    pub fn flush_cut(&mut self) -> Vec<Segment> {
+        let mut out = Vec::new();
+        self.flush_cut_into(&mut out);
+        out
+    }
+
+    /// Like [`OutputParser::flush_cut`], appending to `out`.
+    pub fn flush_cut_into(&mut self, out: &mut Vec<Segment>) {
+        self.end(true, out);
+    }
+
+    /// The end of the stream; `cut`: generation was cut, not finished.
+    fn end(&mut self, cut: bool, out: &mut Vec<Segment>) {
         if let Some(f) = &mut self.fmt {
             let mut segs = Vec::new();
-            f.flush(&mut segs);
+            f.flush(&mut segs, cut);
             return Self::drain(&mut segs, out);
         }
         let held = take(&mut self.buf);
@@ -270,6 +314,12 @@ impl OutputParser {
                         let p = take(&mut self.pending);
                         self.emit_text(&p);
                     }
+                }
+                // The model never finished the call: a truncated argument
+                // must not run, and its markup is not an answer.
+                Mode::Tagged | Mode::Python | Mode::Mistral if cut => self.body.clear(),
+                Mode::BareJson if cut && toolcall::looks_like_llama_call(&self.body) => {
+                    self.body.clear()
                 }
                 Mode::Tagged => self.finish_body(TOOL_OPEN, "", toolcall::parse_tagged_body),
                 Mode::Python => self.finish_body(PYTHON_TAG, "", toolcall::parse_llama),

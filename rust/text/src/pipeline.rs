@@ -62,14 +62,32 @@ impl TextPipeline {
         (segs, m)
     }
 
-    /// Ends the stream and resets the pipeline for a new one.
+    /// Ends the stream (the model finished) and resets the pipeline for a
+    /// new one; see [`OutputParser::flush`].
     pub fn flush(&mut self) -> Vec<Segment> {
+        self.end(false)
+    }
+
+    /// Ends a stream cut by `max_tokens` and resets the pipeline: a held
+    /// partial stop match is released as text as in [`flush`], but a tool
+    /// call still open is dropped; see [`OutputParser::flush_cut`].
+    ///
+    /// [`flush`]: TextPipeline::flush
+    pub fn flush_cut(&mut self) -> Vec<Segment> {
+        self.end(true)
+    }
+
+    fn end(&mut self, cut: bool) -> Vec<Segment> {
         let mut segs = Vec::new();
         if !self.done {
             self.scratch.clear();
             self.scanner.flush_into(&mut self.scratch);
             self.parser.push_into(&self.scratch, &mut segs);
-            self.parser.flush_into(&mut segs);
+            if cut {
+                self.parser.flush_cut_into(&mut segs);
+            } else {
+                self.parser.flush_into(&mut segs);
+            }
         }
         self.reset();
         segs

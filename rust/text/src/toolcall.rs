@@ -203,6 +203,24 @@ pub(crate) fn parse_llama(body: &str) -> Option<Vec<ToolCall>> {
     (!found.is_empty()).then(|| calls(body, found))
 }
 
+/// Whether an unfinished Llama 3 bare JSON reply already looks like a call
+/// (the shape [`parse_llama`] reads): an object whose first key is `"name"`
+/// or `"function"`, after any `;` and whitespace. Other JSON
+/// (`{"answer": ..`) may be the answer itself.
+///
+/// A key is only a key once its closing quote is there: `{"na` could still
+/// be `{"nature": ..`.
+pub(crate) fn looks_like_llama_call(body: &str) -> bool {
+    fn ws(s: &str) -> &str {
+        s.trim_start_matches(|c: char| c.is_ascii_whitespace())
+    }
+    // After a call the body starts with the `;` that separates calls.
+    body.trim_start_matches(|c: char| c.is_ascii_whitespace() || c == ';')
+        .strip_prefix('{')
+        .map(ws)
+        .is_some_and(|r| r.starts_with("\"name\"") || r.starts_with("\"function\""))
+}
+
 /// Mistral: a JSON array of calls (or one call object), or the newer
 /// `name[ARGS]{json}` / `name[CALL_ID]id[ARGS]{json}` form.
 pub(crate) fn parse_mistral(body: &str) -> Option<Vec<ToolCall>> {

@@ -71,6 +71,13 @@ pub(crate) struct Harmony {
     body: String,
 }
 
+/// The tool a header's words address (`to=functions.f`), if any.
+fn recipient<'a>(mut words: impl Iterator<Item = &'a str>) -> Option<&'a str> {
+    words
+        .find_map(|w| w.strip_prefix("to="))
+        .filter(|r| !r.is_empty() && !["assistant", "user", "all"].contains(r))
+}
+
 /// Characters of header words: roles, channels, recipients, content types.
 fn header_char(c: char) -> bool {
     c.is_ascii_alphanumeric() || " _.-=:/@".contains(c)
@@ -128,10 +135,7 @@ impl Harmony {
         self.saw_tag = false;
         let (role, chan) = h.split_once(CHANNEL).unwrap_or((h.as_str(), ""));
         let chan = chan.replace(CONSTRAIN, " ");
-        let words = || role.split_whitespace().chain(chan.split_whitespace());
-        let recipient = words()
-            .find_map(|w| w.strip_prefix("to="))
-            .filter(|r| !r.is_empty() && !["assistant", "user", "all"].contains(r));
+        let recipient = recipient(role.split_whitespace().chain(chan.split_whitespace()));
         let channel = chan.split_whitespace().find(|w| !w.starts_with("to="));
         self.state = match (recipient, channel) {
             (Some(r), _) => {
@@ -244,10 +248,32 @@ impl Machine for Harmony {
         }
     }
 
-    fn finish(&mut self, out: &mut Out) {
+    fn finish(&mut self, out: &mut Out, cut: bool) {
         match self.state {
+            // A header that already names a tool opens a call (prose has no
+            // `to=` word); one with a tag is structure, dropped anyway.
+            State::Header if cut && recipient(self.header.split_whitespace()).is_some() => {
+                self.header.clear();
+                self.saw_tag = false;
+            }
             State::Header => self.drop_header(out),
+            // The arguments never ended (`<|call|>` or a next message).
+            State::Call if cut => {
+                self.body.clear();
+                self.name.clear();
+                self.state = State::Plain;
+            }
             _ => self.end_message(out),
+        }
+    }
+
+    /// A call's message, or a header that already names a tool: a `<` held
+    /// there is not prose that turns the header into text.
+    fn in_call(&self) -> bool {
+        match self.state {
+            State::Call => true,
+            State::Header => recipient(self.header.split_whitespace()).is_some(),
+            _ => false,
         }
     }
 

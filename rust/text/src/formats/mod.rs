@@ -14,7 +14,9 @@
 //!
 //! A tool call's body is collected until its closing tag (or the end of the
 //! stream) and parsed then; a body that does not parse comes back as text,
-//! tags included, so nothing the model wrote is lost.
+//! tags included, so nothing the model wrote is lost. When generation was
+//! cut (`max_tokens`) instead, a call still open at the end is dropped: the
+//! model never finished it, and its markup is not an answer.
 mod bodies;
 mod gemma;
 mod harmony;
@@ -163,8 +165,17 @@ pub(crate) trait Machine {
     /// progress.
     fn content(&mut self, s: &str, out: &mut Out) -> usize;
     fn tag(&mut self, t: Self::Tok, out: &mut Out);
-    /// End of the stream: whatever is still open.
-    fn finish(&mut self, out: &mut Out);
+    /// End of the stream: whatever is still open. With `cut` (generation
+    /// was cut, not finished) a tool call still open is dropped; held text
+    /// that is not a call is released all the same.
+    fn finish(&mut self, out: &mut Out, cut: bool);
+    /// Whether a tool call is open, so that at a cut a possible tag still
+    /// held goes with it instead of being released as text. Only needed
+    /// where a false alarm would otherwise turn the call's markup into text
+    /// (harmony's header); a body drops what it holds anyway.
+    fn in_call(&self) -> bool {
+        false
+    }
     /// A fresh stream.
     fn reset(&mut self);
 }
@@ -197,10 +208,13 @@ impl<M: Machine> Driver<M> {
         out.append(&mut self.out.segs);
     }
 
-    pub fn flush(&mut self, out: &mut Vec<Segment>) {
+    /// Ends the stream; `cut`: see [`Machine::finish`].
+    pub fn flush(&mut self, out: &mut Vec<Segment>, cut: bool) {
         let held = take(&mut self.buf);
-        self.process(&held, true);
-        self.m.finish(&mut self.out);
+        if !(cut && self.m.in_call()) {
+            self.process(&held, true);
+        }
+        self.m.finish(&mut self.out, cut);
         out.append(&mut self.out.segs);
         self.reset();
     }
@@ -294,11 +308,11 @@ impl FormatParser {
         }
     }
 
-    pub fn flush(&mut self, out: &mut Vec<Segment>) {
+    pub fn flush(&mut self, out: &mut Vec<Segment>, cut: bool) {
         match self {
-            FormatParser::Sectioned(d) => d.flush(out),
-            FormatParser::Harmony(d) => d.flush(out),
-            FormatParser::Pythonic(d) => d.flush(out),
+            FormatParser::Sectioned(d) => d.flush(out, cut),
+            FormatParser::Harmony(d) => d.flush(out, cut),
+            FormatParser::Pythonic(d) => d.flush(out, cut),
         }
     }
 

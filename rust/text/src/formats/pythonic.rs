@@ -233,14 +233,18 @@ impl Machine for Pythonic {
         }
     }
 
-    fn finish(&mut self, out: &mut Out) {
+    fn finish(&mut self, out: &mut Out, cut: bool) {
         match self.mode {
             Mode::Text => out.text(&take(&mut self.pending)),
             Mode::Reasoning => {}
+            // Cut inside `[name(`: an unfinished call. A list that does not
+            // look like calls yet (`[1, 2`, `[Note`) may be the answer.
+            Mode::List if cut && opens_call(&self.body) => self.body.clear(),
             Mode::List => {
                 let body = take(&mut self.body);
                 out.malformed(&[&body]);
             }
+            Mode::Tagged if cut => self.body.clear(),
             Mode::Tagged => self.finish_tagged(false, out),
         }
     }
@@ -256,6 +260,22 @@ impl Machine for Pythonic {
         self.body.clear();
         self.scan = Scan::default();
     }
+}
+
+/// Whether a list being collected already looks like calls: `[` then a
+/// (dotted) name then `(`, whitespace allowed between.
+fn opens_call(body: &str) -> bool {
+    let mut p = Py { s: body };
+    p.ws();
+    if !p.eat("[") {
+        return false;
+    }
+    p.ws();
+    if p.dotted().is_none() {
+        return false;
+    }
+    p.ws();
+    p.eat("(")
 }
 
 /// `[name(k=v, ..), ..]` with Python literal values, as (name, JSON args).

@@ -311,10 +311,14 @@ impl Machine for Sectioned {
         }
     }
 
-    fn finish(&mut self, out: &mut Out) {
+    fn finish(&mut self, out: &mut Out, cut: bool) {
         match self.mode {
             Mode::Text => {}
             Mode::Reasoning => self.end_label(out),
+            // The section never closed: it goes whole, calls complete inside
+            // it too (none was returned yet; a batch cut short is not the
+            // batch the model meant).
+            Mode::Body if cut => self.body.clear(),
             Mode::Body => self.finish_body(None, out),
         }
     }

@@ -1,6 +1,6 @@
 //! Helpers for the output-parser tests: segment builders and a checker that
 //! streams an input under several chunkings against the one-shot parse.
-use cairn_text::{parse_output, Family, OutputParser, Segment, ToolCall};
+use cairn_text::{parse_output, Family, OutputParser, Segment, TextPipeline, ToolCall};
 
 use super::chunks_of;
 
@@ -72,4 +72,50 @@ pub fn calls_of(segs: &[Segment]) -> Vec<(String, String)> {
             _ => None,
         })
         .collect()
+}
+
+/// Streams `chunks` and ends the stream with `flush_cut` (`cut`, generation
+/// hit `max_tokens`) or `flush`; coalesced.
+pub fn run_end(
+    chunks: &[String],
+    family: Option<Family>,
+    reasoning: bool,
+    sir: bool,
+    cut: bool,
+) -> Vec<Segment> {
+    let mut p = OutputParser::new(family, reasoning, sir).unwrap();
+    let mut segs = Vec::new();
+    for c in chunks {
+        p.push_into(c, &mut segs);
+    }
+    if cut {
+        p.flush_cut_into(&mut segs);
+    } else {
+        p.flush_into(&mut segs);
+    }
+    OutputParser::coalesce(segs)
+}
+
+/// `input` in one piece, flushed (the stream ended).
+pub fn flushed(input: &str, family: Option<Family>, reasoning: bool, sir: bool) -> Vec<Segment> {
+    run_end(&[input.to_owned()], family, reasoning, sir, false)
+}
+
+/// Streams `chunks` through a [`TextPipeline`] (reasoning on) and ends it
+/// with `flush_cut` (`cut`) or `flush`: the coalesced segments and the stop.
+pub fn pipeline_end(
+    stops: &[&str],
+    chunks: &[String],
+    family: Option<Family>,
+    cut: bool,
+) -> (Vec<Segment>, Option<usize>) {
+    let mut p = TextPipeline::new(stops, family, true, false).unwrap();
+    let (mut segs, mut stop) = (Vec::new(), None);
+    for c in chunks {
+        let (s, m) = p.push(c);
+        segs.extend(s);
+        stop = stop.or(m);
+    }
+    segs.extend(if cut { p.flush_cut() } else { p.flush() });
+    (OutputParser::coalesce(segs), stop)
 }
