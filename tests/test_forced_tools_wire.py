@@ -196,3 +196,41 @@ def test_anthropic(live, temperature):
         assert [b.model_dump(exclude={"id"}) for b in streamed.content] == [
             b.model_dump(exclude={"id"}) for b in whole.content
         ]
+
+
+@pytest.mark.parametrize("max_tokens", [6, 14, 40])
+def test_a_call_cut_by_max_tokens_leaves_no_markup(live, max_tokens):
+    """Cut inside its call, the answer ends as cut off (``length`` / ``max_tokens``) with
+    no text: the unfinished call's markup never reaches content, streamed or not."""
+    oa: openai.OpenAI = live["openai"]
+    an: anthropic.Anthropic = live["anthropic"]
+    tools = [{"type": "function", "function": {"name": "search", "parameters": SCHEMAS["search"]}}]
+    kw: dict[str, Any] = {
+        "model": "smol",
+        "messages": [{"role": "user", "content": "Find news about llamas."}],
+        "tools": tools,
+        "tool_choice": "required",
+        "temperature": 0,
+        "max_tokens": max_tokens,
+    }
+    whole = oa.chat.completions.create(**kw).choices[0]
+    assert whole.finish_reason == "length", whole
+    assert not whole.message.content and not whole.message.tool_calls, whole
+    # The SDK's stream helper refuses a cut answer (LengthFinishReasonError): the raw chunks.
+    chunks = [c for c in oa.chat.completions.create(**kw, stream=True) if c.choices]
+    assert not "".join(c.choices[0].delta.content or "" for c in chunks)
+    assert not [c for c in chunks if c.choices[0].delta.tool_calls]
+    assert chunks[-1].choices[0].finish_reason == "length"
+    akw: dict[str, Any] = {
+        "model": "smol",
+        "max_tokens": max_tokens,
+        "messages": kw["messages"],
+        "tools": [{"name": "search", "input_schema": SCHEMAS["search"]}],
+        "tool_choice": {"type": "any"},
+        "extra_body": {"temperature": 0},
+    }
+    msg = an.messages.create(**akw)
+    with an.messages.stream(**akw) as s:
+        smsg = s.get_final_message()
+    for m in (msg, smsg):
+        assert m.stop_reason == "max_tokens" and m.content == [], m

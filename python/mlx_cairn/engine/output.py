@@ -5,7 +5,7 @@ the output parser (reasoning / tool-call tags) over each decoded chunk::
 
     out = SequenceOutput(tokenizer, prepared)
     events, matched = out.push(token_id)   # matched: the stop sequence that ended it
-    events += out.flush()                   # at EOS / max_tokens
+    events += out.flush()                   # at EOS (cut=True at max_tokens)
 """
 
 from __future__ import annotations
@@ -59,15 +59,20 @@ class SequenceOutput:
             return [], None
         return self._feed(text, final=False)
 
-    def flush(self) -> list[Event]:
-        """End of generation: release anything held back."""
-        events, _ = self._feed(self._detok.flush(), final=True)
+    def flush(self, *, cut: bool = False) -> list[Event]:
+        """End of generation: release anything held back.
+
+        ``cut``: generation was cut short (max_tokens), so a tool call still
+        open is dropped, never shown as text; at an end of turn a malformed
+        call comes back as text instead (nothing the model finished is lost).
+        """
+        events, _ = self._feed(self._detok.flush(), final=True, cut=cut)
         return events
 
-    def _feed(self, text: str, *, final: bool) -> tuple[list[Event], str | None]:
+    def _feed(self, text: str, *, final: bool, cut: bool = False) -> tuple[list[Event], str | None]:
         segments, matched = self._pipeline.push(text) if text else ([], None)
         if final and matched is None:
-            segments = [*segments, *self._pipeline.flush()]
+            segments = [*segments, *self._pipeline.flush(cut=cut)]
         events = [_event(s) for s in segments if s.kind == "tool_call" or s.text]
         if self._end_on_repeat:
             events = self._until_repeat(events)

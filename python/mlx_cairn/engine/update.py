@@ -362,7 +362,7 @@ class StateUpdate:
                 elif matched is not None:
                     reason = "stop_sequence"
                 elif seq.num_output >= seq.prepared.max_tokens:
-                    events += out.flush()
+                    events += out.flush(cut=True)
                     reason = "max_tokens"
         except Exception as e:  # a text-side failure ends only this request
             log.warning("text pipeline failed: %s", e)
