@@ -234,3 +234,40 @@ def test_a_call_cut_by_max_tokens_leaves_no_markup(live, max_tokens):
         smsg = s.get_final_message()
     for m in (msg, smsg):
         assert m.stop_reason == "max_tokens" and m.content == [], m
+
+
+@pytest.mark.parametrize(
+    "prompt",
+    [
+        "Reply only with emoji: 🎉🎉🎉",
+        "Translate 'good morning' to Chinese: 早上好",
+        "Use the tool to search for llamas.",
+    ],
+)
+def test_logprobs_cover_every_generated_token(live, prompt):
+    """One entry per generated token (all but the end of turn), including tokens that
+    hold part of a UTF-8 character and tool-call markup; streamed as in JSON."""
+    client: openai.OpenAI = live["openai"]
+    tools = [{"type": "function", "function": {"name": "search", "parameters": SCHEMAS["search"]}}]
+    for max_tokens in (5, 32):
+        kw: dict[str, Any] = {
+            "model": "smol",
+            "messages": [{"role": "user", "content": prompt}],
+            "tools": tools,
+            "max_tokens": max_tokens,
+            "temperature": 0,
+            "logprobs": True,
+            "top_logprobs": 2,
+        }
+        whole = client.chat.completions.create(**kw)
+        c = whole.choices[0]
+        ended = 0 if c.finish_reason == "length" else 1
+        assert len(c.logprobs.content) == whole.usage.completion_tokens - ended, whole
+        chunks = list(client.chat.completions.create(**kw, stream=True))
+        entries = [
+            e.token
+            for ch in chunks
+            if ch.choices and ch.choices[0].logprobs and ch.choices[0].logprobs.content
+            for e in ch.choices[0].logprobs.content
+        ]
+        assert entries == [e.token for e in c.logprobs.content]

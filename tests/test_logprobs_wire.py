@@ -1,10 +1,11 @@
 """Logprobs on the wire: TokenLogprob events -> Chat chunks / Responses events, and the folds.
 
 Hand-built Event streams check the encoding rule
-(:class:`mlx_cairn.protocol.openai_common.LogprobHold`): a text delta carries
-the logprobs of the tokens that wrote it; reasoning, tool-call markup and
-what ends the answer (EOS, a stop sequence) carry none; the JSON body is the
-fold of the chunks, so streaming and non-streaming agree. Anthropic has no
+(:class:`mlx_cairn.protocol.openai_common.LogprobHold`): every generated token
+(the engine sends none for the end of turn) has one entry, on the chunk that
+goes out after it; Chat carries them on text, reasoning, tool-call and finish
+chunks alike, Responses on answer text only; the JSON body is the fold of the
+chunks, so streaming and non-streaming agree. Anthropic has no
 logprobs: its frames are the same with or without TokenLogprob events.
 
 The end-to-end tests at the bottom run the real server (scripted model)
@@ -106,7 +107,7 @@ def test_entry_shape_clamps_and_sorts() -> None:
 
 
 def test_chat_text_chunks_carry_their_tokens() -> None:
-    evs = [tl("Hel"), tl("lo"), TextDelta("Hello"), tl(" w"), TextDelta(" w"), tl("<eos>")]
+    evs = [tl("Hel"), tl("lo"), TextDelta("Hello"), tl(" w"), TextDelta(" w")]
     chunks, body = chat_content_logprobs(evs)
     texts = [c for c in chunks if c["choices"][0]["delta"].get("content")]
     assert [tokens(c["choices"][0]["logprobs"]["content"]) for c in texts] == [
@@ -114,7 +115,7 @@ def test_chat_text_chunks_carry_their_tokens() -> None:
         [" w"],
     ]
     assert all(c["choices"][0]["logprobs"]["refusal"] is None for c in texts)
-    # The finish chunk carries nothing: text chunks already did; EOS made no text.
+    # The finish chunk carries nothing: text chunks already did.
     assert chunks[-1]["choices"][0]["finish_reason"] == "stop"
     assert chunks[-1]["choices"][0]["logprobs"] is None
     lp = body["choices"][0]["logprobs"]
@@ -122,7 +123,7 @@ def test_chat_text_chunks_carry_their_tokens() -> None:
     assert body["choices"][0]["message"]["content"] == "Hello w"
 
 
-def test_chat_markup_and_reasoning_tokens_are_left_out() -> None:
+def test_chat_every_token_has_one_entry() -> None:
     evs = [
         tl("<think>"),
         tl("plan"),
@@ -137,16 +138,24 @@ def test_chat_markup_and_reasoning_tokens_are_left_out() -> None:
         tl(" "),
         TextDelta(" "),  # whitespace before the end: dropped by the text gate
     ]
-    _, body = chat_content_logprobs(evs)
-    assert tokens(body["choices"][0]["logprobs"]["content"]) == ["Hi"]
+    chunks, body = chat_content_logprobs(evs)
+    every = [e.token for e in evs if isinstance(e, TokenLogprob)]
+    assert tokens(body["choices"][0]["logprobs"]["content"]) == every
     assert body["choices"][0]["message"]["content"] == "Hi"
+    carried = [tokens((c["choices"][0]["logprobs"] or {}).get("content")) for c in chunks]
+    assert [t for t in carried if t] == [
+        ["<think>", "plan"],  # the reasoning chunk
+        ["</think>", "\n\n", "Hi"],  # the text chunk
+        ["<tool_call>", '{"name": "f"}'],  # the call's first chunk
+        [" "],  # the finish chunk: whitespace the gate dropped
+    ]
 
 
-def test_chat_tool_only_answer_has_an_empty_logprobs_object() -> None:
+def test_chat_tool_only_answer_carries_the_call_tokens() -> None:
     chunks, body = chat_content_logprobs([tl("<tool_call>"), ToolCall("call_1", "f", "{}")])
-    assert chunks[-1]["choices"][0]["logprobs"] == {"content": [], "refusal": None}
-    assert body["choices"][0]["logprobs"] == {"content": [], "refusal": None}
-    _, body = chat_content_logprobs([tl("<eos>")])  # an empty answer: the same
+    assert chunks[-1]["choices"][0]["logprobs"] is None
+    assert tokens(body["choices"][0]["logprobs"]["content"]) == ["<tool_call>"]
+    _, body = chat_content_logprobs([])  # an empty answer: an empty logprobs object
     assert body["choices"][0]["logprobs"] == {"content": [], "refusal": None}
 
 
@@ -239,17 +248,22 @@ def test_responses_deltas_parts_and_items_agree() -> None:
         ToolCall("call_1", "f", "{}"),
         tl("D"),
         TextDelta("D"),
-        tl("<eos>"),
+        tl("."),  # held at the end (a stop sequence): no text to ride on
     ]
     codec = responses_codec()
     wire = run(codec, [*evs, DONE])
     body = codec.fold(wire)
     per_item = message_logprobs(wire)
-    assert [tokens(m["deltas"]) for m in per_item] == [["A"], ["B", "C"], ["D"]]
+    # Reasoning and the call have no place for entries; the closing tag rides on B.
+    assert [tokens(m["deltas"]) for m in per_item] == [["A"], ["</think>", "B", "C"], ["D"]]
     for m in per_item:
         assert m["deltas"] == m["done"] == m["part"] == m["item"]
     messages = [o for o in body["output"] if o["type"] == "message"]
-    assert [tokens(o["content"][0]["logprobs"]) for o in messages] == [["A"], ["B", "C"], ["D"]]
+    assert [tokens(o["content"][0]["logprobs"]) for o in messages] == [
+        ["A"],
+        ["</think>", "B", "C"],
+        ["D"],
+    ]
     assert body == wire[-1][1]["response"]
     # The SDK reads the same events and the same final response.
     openai.types.responses.Response.model_validate(body)
@@ -271,40 +285,39 @@ groups = st.lists(st.tuples(st.lists(pieces, min_size=1, max_size=3), st.boolean
 
 
 def engine_like(spec: list[tuple[list[str], bool]]) -> tuple[list[Event], list[str], str]:
-    """(events, the tokens that wrote answer text, the answer text) of ``spec``.
-
-    Markup comes only once visible text has begun: markup between leading
-    whitespace (held by the text gate) and the text after it takes the
-    whitespace's entries with it (a limit of the rule, see LogprobHold).
-    """
+    """(events, every token in order, the answer text) of ``spec``."""
     evs: list[Event] = [tl("<m>")]  # e.g. the end of a reasoning block's tag
     text = ""
     for toks, markup in spec:
-        if markup and text.strip():
+        if markup:
             evs.append(tl("<m>"))
         evs += [tl(t) for t in toks]
         evs.append(TextDelta("".join(toks)))
         text += "".join(toks)
-    words = [t for toks, _ in spec for t in toks] if text.strip() else []
-    return [*evs, tl("<eos>")], words, text if text.strip() else ""
+    every = [e.token for e in evs if isinstance(e, TokenLogprob)]
+    return evs, every, text if text.strip() else ""
 
 
 @given(groups)
 @example([(["a"], False)])
 @example([([" "], True), (["\n", "x"], True), (["y"], True)])
-def test_logprobs_cover_exactly_the_answer_text(spec: list[tuple[list[str], bool]]) -> None:
-    evs, words, text = engine_like(spec)
+def test_logprobs_cover_every_token(spec: list[tuple[list[str], bool]]) -> None:
+    evs, every, text = engine_like(spec)
     _, body = chat_content_logprobs(evs)
     content = body["choices"][0]["logprobs"]["content"]
     assert (body["choices"][0]["message"]["content"] or "") == text
-    assert tokens(content) == words
-    assert b"".join(bytes(e["bytes"]) for e in content).decode() == text
+    assert tokens(content) == every
 
+    # Responses: the tokens up to the answer's last delta ride on its text.
     codec = responses_codec()
     resp = codec.fold(run(codec, [*evs, DONE]))
     parts = [o["content"][0] for o in resp["output"] if o["type"] == "message"]
     assert [p["text"] for p in parts] == ([text] if text else [])
-    assert [tokens(p["logprobs"]) for p in parts] == ([words] if text else [])
+    if text:
+        (part,) = parts
+        last = max(i for i, t in enumerate(every) if t.strip() and t != "<m>")
+        assert tokens(part["logprobs"]) == every[: len(part["logprobs"])]
+        assert len(part["logprobs"]) > last
 
 
 # ---------------------------------------------------------------- anthropic
@@ -400,7 +413,8 @@ def test_chat_logprobs_end_to_end(env: dict[str, Any], k: int) -> None:
             assert "".join(e.token for e in ch.logprobs.content) == ch.delta.content
 
 
-def test_chat_logprobs_skip_reasoning_and_tool_calls(env: dict[str, Any]) -> None:
+def test_chat_logprobs_cover_reasoning_and_tool_calls(env: dict[str, Any]) -> None:
+    """Every generated token has an entry: reasoning and tool-call markup too."""
     client = env["client"]
     streamed, plain, _ = chat_both(
         client,
@@ -413,7 +427,9 @@ def test_chat_logprobs_skip_reasoning_and_tool_calls(env: dict[str, Any]) -> Non
     for completion in (streamed, plain):
         content = completion.choices[0].logprobs.content
         assert completion.choices[0].message.content == "The answer is 4."
-        assert b"".join(bytes(e.bytes) for e in content).decode() == "The answer is 4."
+        joined = b"".join(bytes(e.bytes) for e in content).decode()
+        assert joined == "<think>Plan it.</think>The answer is 4."
+        assert len(content) == completion.usage.completion_tokens - 1  # all but the end
         check_entries(content, 1)
     same_logprobs(streamed.choices[0].logprobs.content, plain.choices[0].logprobs.content)
 
@@ -427,7 +443,10 @@ def test_chat_logprobs_skip_reasoning_and_tool_calls(env: dict[str, Any]) -> Non
     )
     for completion in (streamed, plain):
         assert completion.choices[0].finish_reason == "tool_calls"
-        assert completion.choices[0].logprobs.content == []
+        content = completion.choices[0].logprobs.content
+        assert len(content) == completion.usage.completion_tokens - 1
+        assert b"".join(bytes(e.bytes) for e in content).decode().startswith("<tool_call>")
+    same_logprobs(streamed.choices[0].logprobs.content, plain.choices[0].logprobs.content)
 
 
 def test_chat_without_logprobs_has_none(env: dict[str, Any]) -> None:

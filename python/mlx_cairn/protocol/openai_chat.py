@@ -33,11 +33,12 @@ Wire format of a stream (one request, one choice)::
     {"choices":[],"usage":{...}}                                  when include_usage
     [DONE]
 
-With ``logprobs`` each text chunk carries the entries of the tokens whose
-text it holds (:class:`~mlx_cairn.protocol.openai_common.LogprobHold` says
-which); other chunks carry ``logprobs: null``, and the finish chunk carries
-``{"content": [], "refusal": null}`` when no text chunk did, so the completion
-always has a logprobs object when asked. A failure after the first byte is
+With ``logprobs`` every generated token but the end of turn has one entry,
+in order: each chunk carries the entries of the tokens since the last chunk
+(:class:`~mlx_cairn.protocol.openai_common.LogprobHold`), text, reasoning and
+tool-call chunks alike, and the finish chunk carries the rest (a stop
+sequence, dropped whitespace, a call cut off), ``{"content": [], ...}`` at
+least, so the completion always has a logprobs object when asked. A failure after the first byte is
 one ``{"error": {...}}`` data line and no ``[DONE]``. The JSON response is
 :func:`fold_chunks` over exactly these chunks (the codec always emits the
 usage chunk in JSON mode), accumulated the way the ``openai`` SDK accumulates
@@ -343,13 +344,11 @@ class ChatCodec:
         elif isinstance(ev, ReasoningDelta):
             if ev.text:
                 self._gate.drop()
-                self._lp.drop()
-                out.append(self._delta({"reasoning_content": ev.text}))
+                out.append(self._delta({"reasoning_content": ev.text}, logprobs=self._entries()))
         elif isinstance(ev, ToolCall) and not (self.allow_tools and json_object(ev.arguments)):
             self._text(tool_call_as_text(ev), out)
         elif isinstance(ev, ToolCall):
             self._gate.drop()
-            self._lp.drop()
             i = self._calls
             self._calls += 1
             call_id = self._call_ids.take(ev.id)
@@ -359,7 +358,7 @@ class ChatCodec:
                 "type": "function",
                 "function": {"name": ev.name, "arguments": ""},
             }
-            out.append(self._delta({"tool_calls": [head]}))
+            out.append(self._delta({"tool_calls": [head]}, logprobs=self._entries()))
             out.append(
                 self._delta({"tool_calls": [{"index": i, "function": {"arguments": ev.arguments}}]})
             )
@@ -367,11 +366,9 @@ class ChatCodec:
             if not self._role_sent:
                 out.append(self._delta({"content": ""}))
             finish = _FINISH.get(ev.stop_reason, "tool_calls" if self._calls else "stop")
-            self._lp.drop()
-            # Asked, but no text chunk carried any: the completion still gets
-            # its (empty) logprobs object, in both modes.
-            empty: list[dict[str, Any]] | None = [] if self.logprobs and not self._lp_sent else None
-            out.append(self._delta({}, finish, empty))
+            # What is still held rides here; asked, but no chunk carried any: the
+            # completion still gets its (empty) logprobs object, in both modes.
+            out.append(self._delta({}, finish, self._entries()))
             if self.include_usage:
                 out.append(self._chunk([], usage=self._usage(ev)))
             out.append((None, "[DONE]"))
@@ -383,10 +380,19 @@ class ChatCodec:
     def _text(self, text: str, out: list[WireEvent]) -> None:
         text = self._gate.push(text) if text else ""
         if text:
-            lp = None
-            if self.logprobs:
-                lp, self._lp_sent = self._lp.take(text), True
-            out.append(self._delta({"content": text}, logprobs=lp))
+            out.append(self._delta({"content": text}, logprobs=self._entries(always=True)))
+
+    def _entries(self, *, always: bool = False) -> list[dict[str, Any]] | None:
+        """The held logprob entries for the chunk going out. None when not asked, or
+        when none are held, unless ``always`` (a text chunk) or no chunk carried a
+        logprobs object yet (the finish chunk then carries an empty one)."""
+        if not self.logprobs:
+            return None
+        entries = self._lp.take()
+        if not entries and self._lp_sent and not always:
+            return None
+        self._lp_sent = True
+        return entries
 
     def _usage(self, done: Done) -> dict[str, Any]:
         prompt = done.usage.input_tokens or self.input_tokens

@@ -397,29 +397,20 @@ def logprob_entry(ev: TokenLogprob) -> dict[str, Any]:
 
 
 class LogprobHold:
-    """Which tokens' logprobs ride on which text delta (both OpenAI dialects).
+    """Which tokens' logprobs ride on which chunk (both OpenAI dialects).
 
     The engine sends a token's :class:`~mlx_cairn.types.TokenLogprob` before
     that token's text, but the text may come later (a partial UTF-8
     character, a possible stop sequence, leading whitespace held by
-    :class:`TextGate`), or never as answer text (a ``</think>`` tag, tool-call
-    markup, EOS). Like vLLM, logprobs ride on the chunk that emits the text;
-    ``logprobs.content`` covers answer text only, as OpenAI's does:
-
-    - entries are held until the next answer-text delta; it carries the
-      newest held entries whose bytes together end its text (the tokens that
-      wrote it), and the older ones are dropped (markup before the text, such
-      as a closing reasoning tag). When not even the newest entry's bytes end
-      the text (a token split by the stop-sequence scanner, a tool call sent
-      back as text) it carries them all: they made that text;
-    - reasoning text and a tool call drop what is held (those tokens are not
-      answer text);
-    - at the end, what is still held (EOS, a matched stop sequence, whitespace
-      the gate dropped) is dropped: it produced no answer text.
-
-    So for an answer without stop sequences the entries' bytes join to
-    exactly the answer text. Streaming and the JSON body carry the same
-    entries, because the JSON body is the fold of these very deltas.
+    :class:`TextGate`) or never as answer text (a ``</think>`` tag, tool-call
+    markup, whitespace the gate drops). Every generated token but the end of
+    turn has exactly one entry, in order, whatever its text became: entries
+    are held until the next chunk goes out and ride on it (:meth:`take`).
+    Chat puts them on any chunk (text, reasoning, a tool call, the finish
+    chunk), so ``logprobs.content`` covers the whole output as vLLM's does;
+    Responses has a place for them on answer text only and drops the rest
+    (:meth:`drop`). Streaming and the JSON body carry the same entries,
+    because the JSON body is the fold of these very chunks.
     """
 
     def __init__(self) -> None:
@@ -428,18 +419,11 @@ class LogprobHold:
     def add(self, ev: TokenLogprob) -> None:
         self._held.append(logprob_entry(ev))
 
-    def take(self, text: str) -> list[dict[str, Any]]:
-        """The entries for the answer-text delta ``text`` being sent now."""
+    def take(self) -> list[dict[str, Any]]:
+        """Every entry held so far, for the chunk being sent now."""
         held, self._held = self._held, []
-        end = text.encode("utf-8", "surrogatepass")
-        tail, k = b"", 0
-        for entry in reversed(held):
-            tail = bytes(entry["bytes"]) + tail
-            if len(tail) > len(end) or not end.endswith(tail):
-                break
-            k += 1
-        return held[len(held) - k :] if k else held
+        return held
 
     def drop(self) -> None:
-        """Reasoning, a tool call or the end came next: those tokens made no answer text."""
+        """Tokens with no place on the wire (Responses: reasoning, a call, the end)."""
         self._held = []

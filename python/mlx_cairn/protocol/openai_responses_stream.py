@@ -17,8 +17,8 @@ Wire order (every event carries ``sequence_number``, counting from 0)::
 
 Logprobs (when the request included ``message.output_text.logprobs``): each
 ``output_text.delta`` carries the entries of the tokens whose text it holds
-(:class:`~mlx_cairn.protocol.openai_common.LogprobHold` says which: reasoning
-and function-call tokens carry none), and the ``output_text`` part, its
+(:class:`~mlx_cairn.protocol.openai_common.LogprobHold` says which: the tokens
+since the last delta; reasoning and function-call tokens have no place here), and the ``output_text`` part, its
 ``output_text.done`` and the item in ``output_item.done`` carry all of that
 message's entries, in order: a client that reads only the deltas gets the
 same list as the final response.
@@ -196,7 +196,7 @@ class ResponsesCodec:
             )
         assert self._item is not None
         self._text += text
-        logprobs = self._lp.take(text)
+        logprobs = self._lp.take()
         self._logprobs += logprobs
         out.append(
             self._ev(
