@@ -876,6 +876,8 @@ class Engine:
             kv_cache_bytes=self._pools.nbytes,
             prefix_hit_tokens=sched.prefix_hit_tokens,
             partial_hit_tokens=sched.partial_hit_tokens,
+            prefill_tokens=up.prefill_tokens,
+            prefix_join_waits=sched.join_waits,
             preemptions=sched.num_preemptions,
             generated_tokens=up.generated_tokens,
             requests_total=up.requests,

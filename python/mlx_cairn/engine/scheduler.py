@@ -27,6 +27,20 @@ before the step's forward calls) instead of computing them::
     cached      [b0][b1: t16..t31          ]
     new prompt  [b0][b1': t16..t29 | u30 ..]  -> b1' gets rows 0..13 of b1
 
+A prefix that another admitted sequence is computing is joined, not computed
+twice: a queued request whose next uncached blocks (at least
+:data:`JOIN_MIN_TOKENS` of them, or all it could take from the cache) are
+pending in a running sequence -- planned in this very step, or in a later
+chunk -- waits aside (the others are admitted meanwhile). Blocks join the
+prefix cache as soon as the step that fills them is launched
+(``StateUpdate.launched``), so the next plan's lookup takes them by
+reference; when the leader is cancelled or preempted it stops claiming them
+and the waiter computes what is not cached itself::
+
+    step 1   A: [p0 .. p31] planned      B: next block p0 is A's: waits
+    step 2   A: [p32 .. p63] planned     B: hits p0..p31, p32 is A's: waits
+    step k   A: [.. p186 a187 ..]        B: hits p0..p186, b187 is its own: admitted
+
 Each sequence keeps its chained block hashes (``Sequence.block_hashes``) and
 extends them by the newly full blocks only, so a long generation hashes each
 token once instead of re-hashing its whole prefix whenever a block fills.
@@ -69,6 +83,11 @@ TAIL_FRACTION = 8
 MIN_PARTIAL_ROWS = 8
 #: Cached blocks remembered per preceding block as partial-reuse sources (the newest).
 PARTIAL_CHILDREN = 32
+
+#: Fewest prompt tokens a running sequence must be computing for a new request that
+#: shares them to wait for it (Scheduler._joins): waiting costs the request a step,
+#: worth it for a shared system prompt, not for a chat template's opening block.
+JOIN_MIN_TOKENS = 64
 
 
 @dataclass(frozen=True, slots=True)
@@ -245,6 +264,10 @@ class Scheduler:
         self._by_parent: dict[Any, dict[int, None]] = {}  # preceding block -> its sources
         #: Tokens admitted sequences got from partial-block copies.
         self.partial_hit_tokens = 0
+        #: See :data:`JOIN_MIN_TOKENS` (tests lower it for tiny blocks).
+        self.join_min_tokens = JOIN_MIN_TOKENS
+        #: Admissions put off because a running sequence was computing their prefix.
+        self.join_waits = 0
 
     # ------------------------------------------------------------- membership
 
@@ -332,7 +355,7 @@ class Scheduler:
                 self._drop(seq, e, plan)
                 continue
             if n < 0:
-                continue  # it started a read from the disk tier
+                continue  # it waits aside (a disk read, another's prefill): the others go on
             if n == 0:
                 break
             if seq.num_pending == 1 and n == 1:
@@ -392,13 +415,19 @@ class Scheduler:
         plan.failed.append((seq, err))
 
     def _admit(self, seq: Sequence, budget: int, plan: _Draft | None = None) -> int:
-        """Admit the queue head: prefix lookup + blocks for its first chunk. 0 if it cannot."""
+        """Admit the queue head: prefix lookup + blocks for its first chunk. 0 if it cannot,
+        -1 if it waits aside (its prefix is being computed or read from disk)."""
         # The kept chain covers the registered blocks (none at first admission);
         # the rest of the tokens continue it for this lookup only.
         head = self._hashes(seq, 0)
         rest = seq.tokens[len(head) * self.block_size :]
         hashes = self.cache.hash_blocks(rest, prefix=head)
         hit = list(self.cache.lookup(hashes))
+        if self._joins(seq, hashes, len(hit)):
+            if hit:
+                self.pool.free(hit)
+            self.join_waits += 1
+            return -1
         if self.disk is not None and not seq.disk_tried:
             seq.disk_tried = True
             k, snap = self._disk_plan(
@@ -451,11 +480,36 @@ class Scheduler:
         if seq.spec is not None:  # a draft model's KV: trusted as far as the hit goes
             seq.spec.draft_computed = min(seq.spec.draft_computed, computed)
         seq.num_registered = len(hit)
+        seq.admit_hashes = hashes
         if seq.cached_tokens < 0:  # first admission: this is the real prefix hit
             seq.cached_tokens = min(computed, seq.num_prompt)
             self.prefix_hit_tokens += seq.cached_tokens
         bisect.insort(self.running, seq, key=lambda s: s.arrival)
         return n
+
+    def _joins(self, seq: Sequence, hashes: Any, start: int) -> bool:
+        """Whether a running sequence is computing ``seq``'s blocks from ``start`` on (the
+        first it did not find cached): at least :data:`JOIN_MIN_TOKENS` of them, or
+        all that ``seq`` could take from the cache, so ``seq`` waits for them.
+
+        Hashes chain, so another sequence whose hash at the last of those blocks is
+        the same has the same blocks before it; one that registered block ``start``
+        already is not computing it (the lookup would have found it).
+        """
+        bs = self.block_size
+        limit = min(len(hashes), (len(seq.tokens) - 1) // bs)
+        want = min(-(-self.join_min_tokens // bs), limit - start)
+        if want <= 0:
+            return False
+        last = start + want - 1
+        mine = hashes[last]
+        for other in self.running:
+            theirs = other.admit_hashes
+            if theirs is None or other.num_registered > start or len(theirs) <= last:
+                continue
+            if theirs[last] == mine:
+                return True
+        return False
 
     def _partial(self, seq: Sequence, hashes: Any, num_hit: int) -> tuple[int, int] | None:
         """A cached block to copy the leading rows of ``seq``'s first uncached block
@@ -581,6 +635,7 @@ class Scheduler:
         seq.block_ids = []
         seq.num_computed = 0
         seq.num_registered = 0
+        seq.admit_hashes = None  # claims nothing while it waits
         if self.states is not None:
             for slot in (seq.state_slot, seq.boundary_slot, seq.plan_snapshot):
                 self.states.release(slot)
@@ -673,10 +728,14 @@ class Scheduler:
     # ------------------------------------------------------------ after a step
 
     def register(self, seq: Sequence) -> None:
-        """Register ``seq``'s newly full blocks whose token ids are known.
+        """Register ``seq``'s newly full blocks whose token ids are known (as each step
+        is launched, and as sampled tokens are read back).
 
         Blocks still being written by a step in flight may be registered: any
-        later reader's graph is ordered after those writes.
+        later reader's graph is ordered after those writes (every pool update
+        replaces the array the next step's graph reads), and a step that fails
+        either leaves its writes done or gets the pools rebuilt
+        (``Engine._recover_pools``).
         """
         full = min(seq.num_computed, len(seq.tokens)) // self.block_size
         if full > seq.num_registered:

@@ -81,6 +81,10 @@ class Sequence:
     #: Chained prefix-cache hashes (``mlx_cairn.kv.BlockHashes``) of the first
     #: full blocks of ``tokens``, extended block by block; None until admission.
     block_hashes: Any = None
+    #: Chained hashes of every full block of ``tokens`` at admission (the lookup's):
+    #: those past ``num_registered`` are blocks this sequence is about to compute,
+    #: which a request sharing them waits for (``Scheduler._joins``); None while waiting.
+    admit_hashes: Any = None
     #: Prompt tokens served from the prefix cache at first admission.
     cached_tokens: int = -1
     # Recurrent state (hybrid models, engine/state.py); 0 = no slot.

@@ -36,6 +36,11 @@ class EngineStats:
     prefix_hit_tokens: int = 0
     #: Of those, tokens copied from the leading rows of a cached block (partial-block reuse).
     partial_hit_tokens: int = 0
+    #: Prompt positions computed (not taken from the cache); a prompt computed
+    #: again after a preemption counts again.
+    prefill_tokens: int = 0
+    #: Admissions put off while another request computed their prefix (joined).
+    prefix_join_waits: int = 0
     preemptions: int = 0
     generated_tokens: int = 0
     requests_total: int = 0

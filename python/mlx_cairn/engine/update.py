@@ -5,7 +5,8 @@ The engine step (after vLLM v1)::
     plan = scheduler.schedule()        immutable plan; planning reserves blocks and
                                        may preempt (the block tables it hands out)
     out  = runner.execute(plan)        lazy: sampled ids (and logprobs); writes nothing
-    update.launched(plan, out)         commit: rows advance, placeholders queue up
+    update.launched(plan, out)         commit: rows advance, placeholders queue up,
+                                       the blocks they fill join the prefix cache
     ...  next step executes  ...
     update.sampled(runner.read(out))   tokens join their sequences, full blocks join
                                        the prefix cache, text becomes Events, rows
@@ -75,6 +76,9 @@ class StateUpdate:
         self.failed = 0
         self.cancelled = 0
         self.generated_tokens = 0
+        #: Prompt positions whose KV was computed (launched), not taken from the cache;
+        #: a prompt computed again after a preemption counts again.
+        self.prefill_tokens = 0
         #: Speculative decoding: verify rows applied, their draft tokens, those accepted.
         self.verify_rows = 0
         self.draft_proposed = 0
@@ -137,9 +141,16 @@ class StateUpdate:
                 seq.stream._push([Admitted(seq.num_prompt, max(seq.cached_tokens, 0))])
 
     def launched(self, out: StepOutput) -> None:
-        """Commit a launched step: rows advance by what they fed, samples queue as placeholders."""
+        """Commit a launched step: rows advance by what they fed, samples queue as placeholders.
+
+        The full blocks of known tokens the step fills are registered now, not when
+        it is read back (a prefill chunk is never read back): the next plan's
+        admissions then find a prompt's blocks chunk by chunk and join a prefix
+        being computed instead of computing it again (Scheduler._joins).
+        """
         for r in out.plan.rows:
             seq = r.seq
+            self.prefill_tokens += max(0, min(r.start + r.n, seq.num_prompt) - r.start)
             seq.num_computed = r.start + r.n
             if seq.state_slot:  # recurrent state: later steps read the live slot
                 seq.state_read = seq.state_slot
@@ -149,6 +160,8 @@ class StateUpdate:
                     seq.plan_snapshot = 0
                 if r.boundary:
                     seq.boundary_blocks = r.boundary
+            if self.live(seq):
+                self.scheduler.register(seq)
         for r in out.plan.verify:
             r.seq.verifying = True
         self.queued(out)
