@@ -144,9 +144,11 @@ def test_cut_drops_the_open_call_and_keeps_held_text() -> None:
         [head[0], Segment("text", f"Sure.{OPEN_CALL}")],
         None,
     )
-    # Held text is text: a partial stop match, a partial tag.
+    # Held text is text: a partial stop match, a lone `<`; the start of the tag
+    # that opens a call is the call being written, and goes with it.
     assert run_cut(["###"], ["Hi ##"]) == ([Segment("text", "Hi ##")], None)
-    assert run_cut([], ["a <tool_ca"], family="hermes") == ([Segment("text", "a <tool_ca")], None)
+    assert run_cut([], ["a <"], family="hermes") == ([Segment("text", "a <")], None)
+    assert run_cut([], ["a <tool_ca"], family="hermes") == ([Segment("text", "a ")], None)
     # A closed call stays; after a stop the cut adds nothing.
     segs, _ = run_cut([], [f"<tool_call>{WEATHER}</tool_call>{OPEN_CALL}"], family="hermes")
     assert [s.name for s in segs] == ["get_weather"]

@@ -298,6 +298,20 @@ impl OutputParser {
         self.end(true, out);
     }
 
+    /// Whether `held` (a possible tag held back at the end) is the start of
+    /// the family's call-opening tag: at a cut the model was writing a call
+    /// (`<tool_call` under a forced choice), so it is markup, not an answer.
+    /// A lone `<` or `[` is too little to tell and stays text.
+    fn opens_call(&self, held: &str) -> bool {
+        let open = match self.family {
+            Some(Family::Hermes | Family::Qwen3Coder) => TOOL_OPEN,
+            Some(Family::Llama3) => PYTHON_TAG,
+            Some(Family::Mistral) => MISTRAL_CALLS,
+            _ => return false,
+        };
+        held.len() > 1 && held.len() < open.len() && open.starts_with(held)
+    }
+
     /// The end of the stream; `cut`: generation was cut, not finished.
     fn end(&mut self, cut: bool, out: &mut Vec<Segment>) {
         if let Some(f) = &mut self.fmt {
@@ -306,7 +320,9 @@ impl OutputParser {
             return Self::drain(&mut segs, out);
         }
         let held = take(&mut self.buf);
-        self.process(&held, true);
+        if !(cut && self.mode == Mode::Text && self.opens_call(&held)) {
+            self.process(&held, true);
+        }
         loop {
             match self.mode {
                 Mode::Text | Mode::Reasoning => {

@@ -106,7 +106,16 @@ fn held_text_is_released_as_at_flush() {
     let h = Some(Family::Hermes);
     // A false alarm, a partial tag that never completed, held markers.
     same("a < b <b>", h, true, &[text("a < b <b>")]);
-    same("ends with <tool_ca", h, true, &[text("ends with <tool_ca")]);
+    // The start of a call-opening tag is the call being written: dropped at a
+    // cut (a lone `<` is too little to tell).
+    check(
+        "ends with <tool_ca",
+        h,
+        true,
+        &[text("ends with ")],
+        &[text("ends with <tool_ca")],
+    );
+    same("ends with <", h, true, &[text("ends with <")]);
     same("x<|im_e", h, false, &[text("x<|im_e")]);
     same("<think>a</thi", h, true, &[reasoning("a</thi")]);
     // Without a family tool tags are text, open or not.
@@ -115,12 +124,23 @@ fn held_text_is_released_as_at_flush() {
     // Llama holds leading whitespace (it may open a bare JSON call).
     same("  \n", Some(Family::Llama3), false, &[text("  \n")]);
     // Mistral: a `[` that is not a tag.
-    same(
+    check(
         "[1, 2] [TOOL",
         Some(Family::Mistral),
         false,
+        &[text("[1, 2] ")],
         &[text("[1, 2] [TOOL")],
     );
+    // A sectioned family: the same for its opening tag, text otherwise.
+    let glm = Some(Family::Glm45);
+    check(
+        "ok <tool_c",
+        glm,
+        false,
+        &[text("ok ")],
+        &[text("ok <tool_c")],
+    );
+    same("ok <b", glm, false, &[text("ok <b")]);
 }
 
 #[test]
@@ -338,12 +358,13 @@ fn sectioned_open_sections_are_dropped() {
             matches!(&got[..], [_, _, Segment::ToolCall(c)] if c.name == "now"),
             "{family} {got:?}"
         );
-        // Cut inside reasoning, or on a partial section tag: as at flush.
+        // Cut on a partial section tag: the call being opened, dropped.
         let partial = &open[..open.char_indices().nth(4).unwrap().0];
-        same(
+        check(
             &format!("Sure.{partial}"),
             f,
             true,
+            &[text("Sure.")],
             &[text(&format!("Sure.{partial}"))],
         );
     }

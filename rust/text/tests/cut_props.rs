@@ -268,6 +268,18 @@ const ARG_PIECES: &[&str] = &[
     "[TOOL_CALLS]", "<|eom_id|>", "1",
 ];
 
+/// Tags that open a call where text is read: a cut inside one drops it.
+const OPENING: &[&str] = &[
+    "<tool_call>",
+    "<|python_tag|>",
+    "[TOOL_CALLS]",
+    "<|tool_call>",
+    "<minimax:tool_call>",
+    "<｜tool▁calls▁begin｜>",
+    "<|tool_calls_section_begin|>",
+    "<|python_start|>",
+];
+
 #[test]
 fn a_call_cut_anywhere_is_whole_or_absent() {
     let mut rng = Rng(0xc07_0000_5eed_0002);
@@ -283,8 +295,11 @@ fn a_call_cut_anywhere_is_whole_or_absent() {
         for (i, _) in input.char_indices().chain([(input.len(), ' ')]) {
             let prefix = &input[..i];
             let ctx = format!("{family} r={r} prefix {prefix:?}");
-            let want = match windows.iter().find(|w| w.1 <= i && i < w.2) {
-                // Inside an open call: what came before its markup.
+            // Inside an open call, or two or more characters into the tag that
+            // opens it: what came before its markup.
+            let opening =
+                |w: &&Window| w.0 + 1 < i && i < w.1 && OPENING.contains(&&input[w.0..w.1]);
+            let want = match windows.iter().find(|w| (w.1 <= i && i < w.2) || opening(w)) {
                 Some(&(start, ..)) => flush(&input[..start], Some(family), r, false),
                 None => flush(prefix, Some(family), r, false),
             };

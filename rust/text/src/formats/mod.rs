@@ -176,6 +176,10 @@ pub(crate) trait Machine {
     fn in_call(&self) -> bool {
         false
     }
+    /// The tags that open a tool call where text is read (none by default).
+    fn call_opens(&self) -> &[&'static str] {
+        &[]
+    }
     /// A fresh stream.
     fn reset(&mut self);
 }
@@ -211,7 +215,11 @@ impl<M: Machine> Driver<M> {
     /// Ends the stream; `cut`: see [`Machine::finish`].
     pub fn flush(&mut self, out: &mut Vec<Segment>, cut: bool) {
         let held = take(&mut self.buf);
-        if !(cut && self.m.in_call()) {
+        // At a cut, what a call holds goes with it, and so does the start of
+        // a call-opening tag: the model was writing a call (a lone `<` or
+        // `[` is too little to tell and stays text).
+        let opening = |t: &&str| held.len() > 1 && held.len() < t.len() && t.starts_with(&held);
+        if !(cut && (self.m.in_call() || self.m.call_opens().iter().any(opening))) {
             self.process(&held, true);
         }
         self.m.finish(&mut self.out, cut);

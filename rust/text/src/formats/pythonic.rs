@@ -249,6 +249,13 @@ impl Machine for Pythonic {
         }
     }
 
+    fn call_opens(&self) -> &[&'static str] {
+        match self.mode {
+            Mode::Text => &[PY_START],
+            _ => &[],
+        }
+    }
+
     fn reset(&mut self) {
         self.mode = if self.starts_in_reasoning {
             Mode::Reasoning

@@ -323,6 +323,13 @@ impl Machine for Sectioned {
         }
     }
 
+    fn call_opens(&self) -> &[&'static str] {
+        match self.mode {
+            Mode::Text => self.spec.opens,
+            _ => &[],
+        }
+    }
+
     fn reset(&mut self) {
         self.mode = Mode::Text;
         self.body.clear();
