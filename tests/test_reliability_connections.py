@@ -21,7 +21,9 @@ import pytest
 
 from live_server import Blocker, registry_for, serve, settle_cancel, wait_until
 from mlx_cairn.api import ServerConfig
+from mlx_cairn.api.connection import CairnH11Protocol
 from mlx_cairn.engine import Engine
+from mlx_cairn.engine.testing import assert_at_rest
 from scripted_model import say, scripted_model
 
 pytestmark = pytest.mark.timeout(120)
@@ -44,7 +46,12 @@ def env() -> Iterator[dict[str, Any]]:
         max_body_bytes=LIMIT, header_timeout=HEADER_TIMEOUT, body_timeout=BODY_TIMEOUT
     )
     with serve(registry_for({"scripted": engine}), config) as srv:
-        yield {"port": srv.port, "engine": engine, "blocker": blocker}
+        yield {
+            "port": srv.port,
+            "engine": engine,
+            "blocker": blocker,
+            "connections": srv.server.server_state.connections,  # uvicorn's protocols
+        }
     engine.close()
 
 
@@ -79,8 +86,19 @@ def request(method: str, path: str, body: Any = None, *lines: bytes) -> bytes:
     return head(method, path, *lines, length=len(data) if body is not None else None) + data
 
 
+def informational(raw: bytes) -> tuple[list[int], bytes]:
+    """The statuses of the 1xx answers at the start of ``raw``, and what follows them."""
+    seen = []
+    while raw.startswith(b"HTTP/1.1 1"):
+        top, _, raw = raw.partition(b"\r\n\r\n")
+        seen.append(int(top.split()[1]))
+    return seen, raw
+
+
 def parse(raw: bytes) -> tuple[int, dict[str, str], bytes]:
-    """Status, headers and (de-chunked) body of the first response in ``raw``."""
+    """Status, headers and (de-chunked) body of the first final response in ``raw``
+    (1xx answers before it are skipped, as clients do)."""
+    _, raw = informational(raw)
     top, _, rest = raw.partition(b"\r\n\r\n")
     status_line, *header_lines = top.decode("latin-1").split("\r\n")
     headers = {}
@@ -294,14 +312,128 @@ def test_a_half_closed_client_that_asked_for_a_close_gets_its_answer(env, versio
 
 
 def test_a_client_that_closes_before_a_slow_answer_starts_is_let_go(env):
-    # A FIN is all the server sees of a client that gave up; a non-streamed
-    # answer for it that has not started is cancelled once the half-close grace
-    # has passed (the engine is held mid-generation meanwhile).
+    # A FIN is all the server sees of a client that gave up; the 100 Continue
+    # the server then writes draws a reset from its closed socket, and the
+    # non-streamed answer that has not started is cancelled (the engine is
+    # held mid-generation meanwhile).
     eng, blocker = env["engine"], env["blocker"]
     before = eng.stats().requests_cancelled
     blocker.arm(skip=2)
     with connect(env) as s:
         s.sendall(request("POST", "/v1/messages", chat("z " * 100, max_tokens=300), ANTHROPIC))
+        assert blocker.entered.wait(30)
+    st = settle_cancel(eng, blocker, before)
+    assert st.requests_cancelled == before + 1
+
+
+def read_until(s: socket.socket, marker: bytes) -> bytes:
+    raw = b""
+    while marker not in raw:
+        chunk = s.recv(65536)
+        assert chunk, f"closed before {marker!r}: {raw[:500]!r}"
+        raw += chunk
+    return raw
+
+
+def wait_half_closed(env: dict[str, Any], s: socket.socket) -> None:
+    """Until the server has read the FIN of ``s`` (functional: its protocol says so)."""
+    me = s.getsockname()[:2]
+    wait_until(
+        lambda: any(
+            tuple(c.client or ()) == me and c._half_closed for c in list(env["connections"])
+        ),
+        "the server never saw the half-close",
+    )
+
+
+def streamed_text(data: bytes) -> str:
+    """The answer's text in an SSE body of any of the three dialects."""
+    out = []
+    for line in data.decode().split("\n"):
+        if not line.startswith("data: {"):
+            continue
+        d = json.loads(line[6:])
+        if d.get("type") == "content_block_delta":
+            out.append(d["delta"].get("text", ""))
+        elif d.get("type") == "response.output_text.delta":
+            out.append(d["delta"])
+        elif d.get("object") == "chat.completion.chunk" and d["choices"]:
+            out.append(d["choices"][0]["delta"].get("content") or "")
+    return "".join(out)
+
+
+LATE = [
+    ("/v1/messages", b"event: message_start", b"event: message_stop"),
+    # Its first chunk waits for the first token: the SSE head is the start here.
+    ("/v1/chat/completions", b"text/event-stream", b"data: [DONE]"),
+    ("/v1/responses", b"response.created", b"event: response.completed"),
+]
+
+
+@pytest.mark.parametrize(("path", "started", "finished"), LATE, ids=[p for p, _, _ in LATE])
+def test_a_half_close_after_the_stream_started_still_gets_all_of_it(env, path, started, finished):
+    # The client's shutdown may reach the server after the answer has started (a
+    # quick server, a slow client): it is still a half-close, not a goodbye.
+    eng, blocker = env["engine"], env["blocker"]
+    body = chat("every word after a late half-close", stream=True)
+    if path == "/v1/responses":
+        body = {"model": "scripted", "input": body["messages"][0]["content"], "stream": True}
+    blocker.arm(skip=1)
+    try:
+        with connect(env) as s:
+            s.sendall(request("POST", path, body, ANTHROPIC))
+            raw = read_until(s, started)
+            assert blocker.entered.wait(30)  # held mid-answer
+            s.shutdown(socket.SHUT_WR)
+            wait_half_closed(env, s)
+            blocker.release.set()
+            raw += read_all(s)
+    finally:
+        blocker.release.set()
+    status, _, data = parse(raw)
+    assert status == 200 and finished in data, data[-500:]
+    assert streamed_text(data) == "every word after a late half-close"
+    assert_at_rest(eng)
+
+
+def test_a_half_closed_client_waits_out_a_slow_json_answer(env, monkeypatch):
+    # Longer than HTTP/1.0's grace: an HTTP/1.1 client that only shut its sending
+    # side is told 100 Continue and then gets the answer, however long it takes.
+    monkeypatch.setattr(CairnH11Protocol, "half_close_grace", 0.05)
+    eng, blocker = env["engine"], env["blocker"]
+    before = eng.stats().requests_cancelled
+    blocker.arm(skip=2)
+    try:
+        with connect(env) as s:
+            s.sendall(request("POST", "/v1/messages", chat("worth the wait"), ANTHROPIC))
+            assert blocker.entered.wait(30)
+            s.shutdown(socket.SHUT_WR)
+            raw = read_until(s, b"\r\n\r\n")
+            assert informational(raw)[0] == [100], raw
+            wait_half_closed(env, s)
+            time.sleep(0.5)  # well past the (shortened) grace, the engine still held
+            blocker.release.set()
+            raw += read_all(s)
+    finally:
+        blocker.release.set()
+    status, _, body = parse(raw)
+    assert status == 200 and json.loads(body)["content"][0]["text"] == "worth the wait"
+    assert assert_at_rest(eng).requests_cancelled == before
+
+
+def test_a_client_that_closes_mid_stream_is_let_go(env):
+    # A FIN after the stream started, from a socket that is closed: the stream's
+    # next write (a ping here, the engine is held) draws the reset.
+    eng, blocker = env["engine"], env["blocker"]
+    before = eng.stats().requests_cancelled
+    blocker.arm(skip=1)
+    with connect(env) as s:
+        s.sendall(
+            request(
+                "POST", "/v1/messages", chat("z " * 100, stream=True, max_tokens=300), ANTHROPIC
+            )
+        )
+        read_until(s, b"event: message_start")
         assert blocker.entered.wait(30)
     st = settle_cancel(eng, blocker, before)
     assert st.requests_cancelled == before + 1

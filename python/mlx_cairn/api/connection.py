@@ -21,18 +21,26 @@ keyed on h11's view of the client (``conn.their_state``)::
 
 A FIN after a complete request looks the same whether the client only shut
 its sending side (and waits for the answer) or closed the socket (it gave up):
-only a write tells them apart, as a closed peer answers it with a reset. A
-client that half-closes does so right after its request, before the answer
-starts, so:
+only a write tells them apart, as a closed peer answers it with a reset. The
+FIN may come at any moment after the request, also after the answer has
+started (a client slower than a quick server to call ``shutdown``), so
+whenever it comes after a complete request:
 
-- EOF before the answer has started: the connection stays open for writing.
-  An answer that starts within :data:`HALF_CLOSE_GRACE` seconds is sent in
-  full (were the client gone after all, a stream's next writes fail and
-  surface as a disconnect); one that has not started by then is treated as a
-  disconnect, so a long non-streamed generation for a client that left is
-  cancelled after the grace instead of running to its end;
-- EOF once the answer has started: the client is gone, the connection closes
-  and the app sees ``http.disconnect`` at once (a stream stops generating).
+- the connection stays open for writing, and is closed once the answer is out;
+- every :data:`HALF_CLOSE_WATCH` seconds the socket's pending error
+  (``SO_ERROR``) is read: the reset of a peer that is gone sets it, and then
+  the connection closes and the app sees ``http.disconnect`` (a generation is
+  cancelled). A stream's own writes (its frames, its pings) draw that reset;
+- an HTTP/1.1 answer that has not started yet is not written to for a long
+  while (a non-streamed generation), so one ``100 Continue`` goes out at once
+  to draw the reset. HTTP/1.1 clients must skip a 1xx answer they did not ask
+  for (RFC 9110 15.2), and Python's http.client, h11 / httpx, curl and the
+  SDKs do;
+- HTTP/1.0 has no 1xx answers: an answer that has not started within
+  :data:`HALF_CLOSE_GRACE` seconds is taken for one to a client that left.
+
+An EOF in the middle of a request (body not complete) or between requests
+closes the connection.
 
 A body the app is still reading is timed by the gate (:mod:`mlx_cairn.api.auth`),
 which answers 408 in the dialect's envelope. When the head deadline passes with
@@ -40,15 +48,17 @@ part of a head received, a bare ``408`` goes out before the close.
 
 Checked with uvicorn 0.30 and 0.54 (``pyproject.toml`` pins that range): it relies
 on ``H11Protocol``'s ``conn``, ``cycle``, ``transport``, ``handle_events`` and
-``on_response_complete``, and on ``RequestResponseCycle.response_complete`` and
-``keep_alive``.
+``on_response_complete``, and on ``RequestResponseCycle``'s ``response_started``,
+``response_complete``, ``waiting_for_100_continue`` and ``keep_alive``.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import logging
+import socket
 from typing import Any
 
 import h11
@@ -61,8 +71,10 @@ log = logging.getLogger("mlx_cairn.api")
 DEFAULT_HEADER_TIMEOUT = 60.0
 #: Seconds a request body may go without progress.
 DEFAULT_BODY_TIMEOUT = 60.0
-#: Seconds after a client's EOF within which the answer must start (see the module doc).
+#: Seconds after an HTTP/1.0 client's EOF within which the answer must start (module doc).
 HALF_CLOSE_GRACE = 5.0
+#: Seconds between two looks for the reset of a peer that sent EOF (module doc).
+HALF_CLOSE_WATCH = 0.1
 
 _TIMEOUT_MESSAGE = b"request head not received in time\n"
 _REQUEST_TIMEOUT = (
@@ -82,12 +94,15 @@ class CairnH11Protocol(H11Protocol):
     header_timeout: float = DEFAULT_HEADER_TIMEOUT
     body_timeout: float = DEFAULT_BODY_TIMEOUT
     half_close_grace: float = HALF_CLOSE_GRACE
+    half_close_watch: float = HALF_CLOSE_WATCH
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._head_timer: asyncio.TimerHandle | None = None
         self._linger_timer: asyncio.TimerHandle | None = None
         self._eof_timer: asyncio.TimerHandle | None = None
+        self._watch_timer: asyncio.TimerHandle | None = None
+        self._half_closed = False
 
     # ------------------------------------------------------ protocol events
 
@@ -113,24 +128,62 @@ class CairnH11Protocol(H11Protocol):
 
     def eof_received(self) -> bool | None:  # type: ignore[override]
         """The client closed its sending side: keep the connection for the answer
-        to a complete request whose answer has not started (module doc), else close.
+        to a complete request and watch for a reset (module doc), else close.
 
         Returning True keeps the transport open for writing; the cycle then
         closes it once its response is complete (``keep_alive = False``). TLS
-        transports cannot half-close, so they always close.
+        transports cannot half-close, so they always close. Called again when
+        reading resumes after a pause (the EOF is read once more): idempotent.
         """
         cycle = self.cycle
         if (
-            cycle is not None
-            and not cycle.response_started
-            and self.conn.their_state in (h11.DONE, h11.MUST_CLOSE)  # MUST_CLOSE: HTTP/1.0
-            and not is_ssl(self.transport)
+            cycle is None
+            or cycle.response_complete
+            or self.conn.their_state not in (h11.DONE, h11.MUST_CLOSE)  # MUST_CLOSE: HTTP/1.0
+            or is_ssl(self.transport)
         ):
-            cycle.keep_alive = False
-            if self._eof_timer is None:
+            return None
+        cycle.keep_alive = False
+        if not self._half_closed:
+            self._half_closed = True
+            # A started answer's own writes draw the reset of a peer that is gone.
+            if not cycle.response_started and self.conn.their_http_version == b"1.1":
+                self._probe(cycle)
+            elif not cycle.response_started:
                 self._eof_timer = self.loop.call_later(self.half_close_grace, self._eof_expired)
-            return True
-        return None
+            self._watch_timer = self.loop.call_later(self.half_close_watch, self._watch)
+        return True
+
+    def _probe(self, cycle: Any) -> None:
+        """Write one ``100 Continue``: a peer that closed its socket answers it with a reset."""
+        # A 100 the request asked for (Expect) and the app has not read for yet
+        # is this one: uvicorn must not send a second.
+        cycle.waiting_for_100_continue = False
+        with contextlib.suppress(h11.LocalProtocolError):
+            self.transport.write(
+                self.conn.send(h11.InformationalResponse(status_code=100, headers=[]))
+            )
+
+    def _watch(self) -> None:
+        """Close the connection once the peer that sent EOF has reset it (module doc)."""
+        self._watch_timer = None
+        transport = self.transport
+        if transport is None or transport.is_closing():
+            return
+        sock = transport.get_extra_info("socket")
+        try:
+            err = sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR) if sock is not None else 0
+        except OSError as e:
+            err = e.errno or -1
+        if err:
+            log.debug(
+                "%s: closed its side, then reset the connection (%s); treating it as gone",
+                _peer(self.client),
+                errno.errorcode.get(err, err),
+            )
+            transport.abort()  # connection_lost: the app sees http.disconnect
+            return
+        self._watch_timer = self.loop.call_later(self.half_close_watch, self._watch)
 
     # --------------------------------------------------------------- timers
 
@@ -157,10 +210,10 @@ class CairnH11Protocol(H11Protocol):
             self._linger_timer = None
 
     def _cancel_timers(self) -> None:
-        for timer in (self._head_timer, self._linger_timer, self._eof_timer):
+        for timer in (self._head_timer, self._linger_timer, self._eof_timer, self._watch_timer):
             if timer is not None:
                 timer.cancel()
-        self._head_timer = self._linger_timer = self._eof_timer = None
+        self._head_timer = self._linger_timer = self._eof_timer = self._watch_timer = None
 
     def _eof_expired(self) -> None:
         self._eof_timer = None
