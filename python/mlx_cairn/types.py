@@ -161,6 +161,10 @@ class ChatRequest:
     speculative: bool | None = None
     #: Extra keyword arguments for the chat template.
     template_kwargs: dict[str, Any] = field(default_factory=dict)
+    #: Render earlier turns as they were generated (reasoning kept) where the
+    #: template would rewrite them, so the next turn reads them from the prefix
+    #: cache (chat/history.py); the client asked to keep earlier thinking.
+    history_as_generated: bool = False
 
     @property
     def offers_tools(self) -> bool:

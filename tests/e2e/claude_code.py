@@ -24,6 +24,12 @@ What it does:
       ``prefix_hit_tokens``);
    c. a wrong token: exit non-zero with Claude Code's authentication error;
    d. the token as ``ANTHROPIC_AUTH_TOKEN`` (Bearer) instead of ``ANTHROPIC_API_KEY``;
+   e. thinking shown (``--thinking-display summarized``) and a tool call, then
+      ``--continue``, against the scripted test model (tests/scripted_model.py:
+      Qwen3's template, which drops earlier turns' thinking, and a tokenizer
+      that spends ~3x more tokens), served in this process behind the same
+      proxy: the resumed turn reads the previous turn's last request and its
+      answer from the cache (the server renders earlier turns as generated);
    net. no connection left loopback;
 4. prints every request the CLI sent, one line per case and the wall time;
    exits 1 if a case failed. The server and every CLI process are stopped on
@@ -52,6 +58,9 @@ from pathlib import Path
 from typing import Any
 
 from recorder import Exchange, Recorder, prompt_tokens, summarize
+
+#: tests/ (the scripted test model and the in-process server helpers).
+TESTS = Path(__file__).resolve().parents[1]
 
 #: Claude Code without telemetry, error reports, auto-update or other background traffic.
 QUIET_ENV = {
@@ -153,9 +162,9 @@ class Harness:
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
-    def stats(self) -> dict[str, Any]:
-        """The served model's figures from the authenticated /health."""
-        req = urllib.request.Request(f"{self.url}/health", headers={"x-api-key": self.token})
+    def stats(self, url: str | None = None) -> dict[str, Any]:
+        """The served model's figures from the authenticated /health (of ``url``)."""
+        req = urllib.request.Request(f"{url or self.url}/health", headers={"x-api-key": self.token})
         with urllib.request.urlopen(req, timeout=10) as r:
             return dict(json.load(r)["models"][0]["stats"])
 
@@ -403,6 +412,64 @@ def run_cases(h: Harness, cases: list[Case]) -> None:
             run.seconds,
         )
     )
+
+    # e. thinking shown and a tool call, then --continue, against the scripted model
+    cases.append(thinking_resume_case(h, key))
+
+
+#: Case e's script: the first turn thinks and runs a command whose output holds
+#: the next answer (the scripted model says the last say: directive it reads).
+THINK_FLAGS = ["--thinking-display", "summarized", "--allowedTools", "Bash"]
+
+
+def thinking_resume_case(h: Harness, key: dict[str, str]) -> Case:
+    """Case e: the resumed turn reads the previous turn, thinking included, from the cache."""
+    assert h.recorder is not None
+    sys.path.insert(0, str(TESTS))
+    from scripted_model import say
+
+    final = "The command printed what I planned."
+    bye = "Goodbye, see you soon!"
+    printed = say(f"<think>\nIt worked.\n</think>\n\n{final}")
+    args = {"command": f"echo {printed}", "description": "Print the plan"}
+    call = json.dumps({"name": "Bash", "arguments": args})
+    first = f"<think>\nRun a command first.\n</think>\n\n<tool_call>\n{call}\n</tool_call>"
+    second = f"<think>\nSay goodbye.\n</think>\n\n{bye}"
+    rec = h.recorder
+    start = time.monotonic()
+    with scripted_server(h.token) as url:
+        upstream, rec.upstream = rec.upstream, ("127.0.0.1", int(url.rsplit(":", 1)[1]))
+        try:
+            run1 = h.cli("e1", ["-p", say(first), *THINK_FLAGS], "home-e", key)
+            before = h.stats(url)
+            run2 = h.cli("e2", ["-p", say(second), "--continue", *THINK_FLAGS], "home-e", key)
+            after = h.stats(url)
+        finally:
+            rec.upstream = upstream
+    ok1, detail1 = reply_case(run1, final)
+    ok2, detail2 = reply_case(run2, bye)
+    hit_ok, hit = prefix_check(rec.of("e1"), rec.of("e2"), before, after)
+    detail = f"{detail1 if not ok1 else detail2}; {hit}" + non_2xx(rec.of("e1") + rec.of("e2"))
+    return Case("e thinking, --continue", ok1 and ok2 and hit_ok, detail, time.monotonic() - start)
+
+
+@contextlib.contextmanager
+def scripted_server(token: str) -> Any:
+    """The scripted test model served in this process (``--default-model
+    --clamp-max-tokens``, the same token); yields its URL."""
+    sys.path.insert(0, str(TESTS))
+    from live_server import registry_for, serve
+    from mlx_cairn.api import ServerConfig
+    from mlx_cairn.engine import Engine
+    from scripted_model import scripted_model
+
+    engine = Engine(scripted_model(context_length=131072), num_blocks=12000)
+    config = ServerConfig(api_token=token, clamp_max_tokens=True)
+    try:
+        with serve(registry_for({"scripted": engine}, default_model=""), config) as srv:
+            yield srv.url
+    finally:
+        engine.close()
 
 
 def prefix_check(

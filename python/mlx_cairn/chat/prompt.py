@@ -15,6 +15,7 @@ from typing import Any
 
 from mlx_cairn.chat.data import DataMarks, encode_rendered
 from mlx_cairn.chat.detect import ReasoningInfo, starts_in_reasoning
+from mlx_cairn.chat.history import render_as_generated
 from mlx_cairn.chat.template import ChatTemplate
 from mlx_cairn.chat.tokenizer import Tokenizer
 from mlx_cairn.types import ChatRequest, Message
@@ -61,18 +62,24 @@ def build_prompt(
     text starts (``Prompt.last_user_at``), by rendering once more with a
     sentinel character before it; it counts only if the template renders the
     same text around the sentinel (no template trims or rewrites it).
+
+    With ``req.history_as_generated`` earlier turns are rendered as they were
+    generated where the template would rewrite them (chat/history.py).
     """
     tools = req.tools if req.offers_tools else None
     marks = DataMarks(tokenizer.special_tokens)
+    kwargs = template_kwargs(req, reasoning)
+
+    def render_turns(messages: list[Message], generation_prompt: bool) -> str:
+        return template.render_marked(
+            messages, tools, marks, add_generation_prompt=generation_prompt, kwargs=kwargs
+        )
 
     def render(messages: list[Message]) -> str:
-        return template.render_marked(
-            messages,
-            tools,
-            marks,
-            add_generation_prompt=True,
-            kwargs=template_kwargs(req, reasoning),
-        )
+        text = render_turns(messages, True)
+        if req.history_as_generated:
+            text = render_as_generated(messages, render_turns, text, marks.restore)
+        return text
 
     marked = render(req.messages)
     at = _last_user_offset(req.messages, marked, render) if locate_last_user else None

@@ -281,9 +281,11 @@ class ChatTemplate:
             text = self._render(msgs, variables)
         except InvalidRequest:
             text = None
-        # A template that refuses a system turn after the first message, or
-        # drops it, gets it in place as a marked user turn instead.
-        if text is None or not _contains_in_order(text, inner):
+        # A template that refuses a system turn after the first message, drops
+        # it or moves it (DeepSeek V3.1 joins every system turn into the
+        # system prompt on top, so each new one changes the whole prompt) gets
+        # it in place as a marked user turn instead.
+        if text is None or not _contains_in_order(text, _inner_system_places(msgs)):
             text = self._render(_system_turns_as_user(msgs), variables)
         return text
 
@@ -433,6 +435,29 @@ def _inner_system_texts(msgs: list[dict[str, Any]]) -> list[str]:
             seen_other = True
         elif seen_other and isinstance(m.get("content"), str) and m["content"].strip():
             out.append(m["content"].strip())
+    return out
+
+
+def _inner_system_places(msgs: list[dict[str, Any]]) -> list[str]:
+    """Each inner system turn's text after the text of the turn before it (the
+    nearest with text), stripped: in this order in a render that keeps system
+    turns in place."""
+    out: list[str] = []
+    before: dict[str, Any] | None = None  # the last turn with text, not system
+    placed: dict[str, Any] | None = None  # the last one put in ``out``
+    seen_other = False
+    for m in msgs:
+        text = m.get("content")
+        text = text.strip() if isinstance(text, str) else ""
+        if m["role"] != "system":
+            seen_other = True
+            if text:
+                before = m
+        elif seen_other and text:
+            if before is not None and before is not placed:
+                out.append(before["content"].strip())
+                placed = before
+            out.append(text)
     return out
 
 

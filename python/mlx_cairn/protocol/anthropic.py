@@ -18,6 +18,12 @@ Mapping rules:
   and ``tool_use`` blocks (kept as tool calls, arguments as JSON text).
 - images and documents become a short placeholder: the models served here
   read text only.
+- ``context_management``: a ``clear_thinking_20251015`` edit with ``keep:
+  "all"`` (Claude Code sends it) keeps earlier turns as they were generated,
+  reasoning included, where the chat template would drop it
+  (``ChatRequest.history_as_generated``): a later turn, or a resumed
+  session, then reads the whole previous turn from the prefix cache. Other
+  edits are ignored.
 - sampling: ``temperature`` (0..1), ``top_p``, ``top_k``, and as top-level
   extra fields (an SDK's ``extra_body``) ``min_p``, ``seed``,
   ``frequency_penalty``, ``presence_penalty``, ``repetition_penalty`` and
@@ -145,6 +151,7 @@ def _parse(body: Any, *, max_tokens_limit: int, count_only: bool) -> AnthropicRe
         parallel_tool_calls=parallel,
         output_format=output,
         speculative=speculative_switch(body),
+        history_as_generated=_keeps_all_thinking(body.get("context_management")),
     )
     return AnthropicRequest(chat, model, stream, show_thinking, is_title)
 
@@ -496,6 +503,21 @@ def _map_thinking(raw: Any, output_config: Any) -> tuple[bool | None, bool, int 
         on, budget = EFFORT_REASONING.get(effort or "", (None, None))
         return on, on is not False and display != "omitted", budget
     raise fail("thinking.type", "must be 'enabled', 'disabled' or 'adaptive'")
+
+
+def _keeps_all_thinking(context_management: Any) -> bool:
+    """``context_management.edits`` holds ``{"type": "clear_thinking_20251015",
+    "keep": "all"}``: every earlier turn keeps its thinking. Anything else,
+    malformed included, is ignored (unknown fields are not rejected)."""
+    edits = context_management.get("edits") if isinstance(context_management, dict) else None
+    if not isinstance(edits, list):
+        return False
+    return any(
+        isinstance(e, dict)
+        and e.get("type") == "clear_thinking_20251015"
+        and e.get("keep") == "all"
+        for e in edits
+    )
 
 
 def _map_stop(raw: Any) -> list[str]:
