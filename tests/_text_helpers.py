@@ -94,8 +94,9 @@ def run_parser(chunks: list[str], **kw: object) -> list[Segment]:
 
 
 def run_pipeline(
-    stops: list[str], chunks: list[str], **kw: object
+    stops: list[str], chunks: list[str], *, cut: bool = False, **kw: object
 ) -> tuple[list[Segment], str | None]:
+    """``chunks`` through a pipeline, ended by ``flush`` (``cut``: generation was cut)."""
     p = TextPipeline(stops, **kw)  # type: ignore[arg-type]
     segs: list[Segment] = []
     stop = None
@@ -105,5 +106,5 @@ def run_pipeline(
         if m is not None:
             assert stop is None
             stop = m
-    segs += p.flush()
+    segs += p.flush(cut=cut)
     return coalesce(segs), stop

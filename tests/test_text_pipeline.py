@@ -97,15 +97,30 @@ stops_st = st.lists(st.sampled_from(["###", "</tool_call>", "END", "é🙂", "\n
     stops=stops_st,
     family=st.sampled_from([None, *FAMILIES]),
     reasoning=st.booleans(),
+    cut=st.booleans(),
     data=st.data(),
 )
 def test_equals_scan_then_parse_for_any_chunking(
-    text: str, stops: list[str], family: str | None, reasoning: bool, data: st.DataObject
+    text: str, stops: list[str], family: str | None, reasoning: bool, cut: bool, data: st.DataObject
 ) -> None:
+    """The pipeline is the reference stop scan then the parser, for any chunking; ended
+    by a cut (max_tokens), the parser's cut, which is the flushed result up to the call
+    left open. A stop ends the stream as the model's own end does."""
     visible, stop = ref_stop_scan(stops, text)
-    want = parse_output(visible, family=family, reasoning=reasoning)
+    flushed = parse_output(visible, family=family, reasoning=reasoning)
+    cut_off = cut and stop is None
+    want = parse_cut(visible, family=family, reasoning=reasoning) if cut_off else flushed
     chunks = data.draw(chunked(text))
-    assert run_pipeline(stops, chunks, family=family, reasoning=reasoning) == (want, stop)
+    got = run_pipeline(stops, chunks, cut=cut, family=family, reasoning=reasoning)
+    assert got == (want, stop)
+    if cut_off and want:
+        *init, last = want
+        assert flushed[: len(init)] == init
+        at = flushed[len(init)]
+        if last.kind == "text" and at.kind == "text":
+            assert at.text.startswith(last.text)
+        else:
+            assert at == last
 
 
 # ---- a stream cut by max_tokens: flush(cut=True) ------------------------------
@@ -115,14 +130,7 @@ OPEN_CALL = '<tool_call>{"name": "get_weather", "argu'
 
 def run_cut(stops: list[str], chunks: list[str], **kw: object) -> tuple[list[Segment], str | None]:
     """Like run_pipeline, but generation was cut: the stream ends with flush(cut=True)."""
-    p = TextPipeline(stops, **kw)  # type: ignore[arg-type]
-    segs: list[Segment] = []
-    stop = None
-    for c in chunks:
-        got, m = p.push(c)
-        segs += got
-        stop = stop or m
-    return coalesce([*segs, *p.flush(cut=True)]), stop
+    return run_pipeline(stops, chunks, cut=True, **kw)
 
 
 def parse_cut(text: str, **kw: object) -> list[Segment]:
@@ -158,30 +166,3 @@ def test_cut_drops_the_open_call_and_keeps_held_text() -> None:
     # OutputParser: a bare llama3 reply that looks like a call goes, other JSON stays.
     assert parse_cut('{"name": "f", "parameters": {"q": "x', family="llama3") == []
     assert parse_cut('{"answer": 4', family="llama3") == [Segment("text", '{"answer": 4')]
-
-
-@given(
-    text=model_text(),
-    stops=stops_st,
-    family=st.sampled_from([None, *FAMILIES]),
-    reasoning=st.booleans(),
-    data=st.data(),
-)
-def test_cut_equals_scan_then_parser_cut_for_any_chunking(
-    text: str, stops: list[str], family: str | None, reasoning: bool, data: st.DataObject
-) -> None:
-    visible, stop = ref_stop_scan(stops, text)
-    flushed = parse_output(visible, family=family, reasoning=reasoning)
-    # A stop ends the stream as the model's own end does; otherwise it was cut.
-    want = flushed if stop is not None else parse_cut(visible, family=family, reasoning=reasoning)
-    chunks = data.draw(chunked(text))
-    assert run_cut(stops, chunks, family=family, reasoning=reasoning) == (want, stop)
-    # The cut is the flushed result up to the call left open.
-    if want:
-        *init, last = want
-        assert flushed[: len(init)] == init
-        got = flushed[len(init)]
-        if last.kind == "text" and got.kind == "text":
-            assert got.text.startswith(last.text)
-        else:
-            assert got == last

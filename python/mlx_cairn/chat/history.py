@@ -42,6 +42,7 @@ import itertools
 from collections.abc import Callable
 from dataclasses import replace
 
+from mlx_cairn.chat.template import contains_in_order
 from mlx_cairn.errors import InvalidRequest
 from mlx_cairn.types import Message
 
@@ -154,16 +155,6 @@ def _turn_as_last(
     between = anchored[first + 1 : second]
     # Each message must stay in the turn's text: a template that moves a turn's
     # system message to the top when the turn stands alone does not.
-    if not _contains_in_order(restore(between), [m.content.strip() for m in turn[:-1]]):
+    if not contains_in_order(restore(between), [m.content.strip() for m in turn[:-1]]):
         return None
     return between, anchored[second + 1 :]
-
-
-def _contains_in_order(text: str, parts: list[str]) -> bool:
-    pos = 0
-    for part in parts:
-        pos = text.find(part, pos)
-        if pos < 0:
-            return False
-        pos += len(part)
-    return True

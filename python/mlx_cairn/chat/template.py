@@ -285,7 +285,7 @@ class ChatTemplate:
         # it or moves it (DeepSeek V3.1 joins every system turn into the
         # system prompt on top, so each new one changes the whole prompt) gets
         # it in place as a marked user turn instead.
-        if text is None or not _contains_in_order(text, _inner_system_places(msgs)):
+        if text is None or not contains_in_order(text, _inner_system_places(msgs)):
             text = self._render(_system_turns_as_user(msgs), variables)
         return text
 
@@ -461,7 +461,8 @@ def _inner_system_places(msgs: list[dict[str, Any]]) -> list[str]:
     return out
 
 
-def _contains_in_order(text: str, parts: list[str]) -> bool:
+def contains_in_order(text: str, parts: list[str]) -> bool:
+    """Whether each of ``parts`` stands in ``text``, in this order, without overlap."""
     pos = 0
     for part in parts:
         pos = text.find(part, pos)
