@@ -21,12 +21,15 @@ overloaded        529     overloaded_error           server_error           over
 unavailable       503     overloaded_error           server_error           model_unavailable
 internal          500     api_error                  server_error
 model_load        500     api_error                  server_error
+not_supported     501     api_error                  invalid_request_error  not_supported
 ================  ======  =========================  =====================  =======================
 
 A kind not in the table is ``internal``. A full request queue is
 ``rate_limit`` (429 with ``Retry-After``: clients back off and retry); a model
 that cannot be loaded because nothing can be unloaded is ``unavailable`` (503
-with ``Retry-After``).
+with ``Retry-After``). A route this server knows but does not serve (the Ollama
+API's model management: pull, push, create, ...) is ``not_supported``: 501,
+which no client retries.
 """
 
 from __future__ import annotations
@@ -63,6 +66,7 @@ ERROR_KINDS: dict[str, ErrorKind] = {
     "unavailable": ErrorKind(503, "overloaded_error", "server_error", "model_unavailable"),
     "internal": ErrorKind(500, "api_error", "server_error"),
     "model_load": ErrorKind(500, "api_error", "server_error"),
+    "not_supported": ErrorKind(501, "api_error", "invalid_request_error", "not_supported"),
 }
 
 
@@ -237,6 +241,12 @@ class ModelUnavailable(CairnError):
     def __init__(self, message: str, *, retry_after: float = 5.0) -> None:
         super().__init__(message)
         self.retry_after = retry_after
+
+
+class NotSupported(CairnError):
+    """A known route or feature this server does not provide (501)."""
+
+    kind = "not_supported"
 
 
 class EngineError(CairnError):

@@ -36,7 +36,9 @@ Life of a model (one writer: this registry, under its lock)::
   ``Retry-After``). A model's memory is measured when it loads (weights plus
   KV pool); before its first load its size on disk stands in.
 - ``idle_unload``: a model with no lease for that many seconds is unloaded
-  (never during a load), and MLX's buffer cache is cleared.
+  (never during a load), and MLX's buffer cache is cleared. A request may set
+  its own model's idle time (:meth:`ModelRegistry.keep_alive`, the Ollama
+  API's ``keep_alive``): 0 unloads it as soon as its last lease ends.
 """
 
 from __future__ import annotations
@@ -47,6 +49,7 @@ import contextlib
 import fnmatch
 import gc
 import logging
+import math
 import threading
 import time
 import weakref
@@ -180,6 +183,10 @@ class ServedModel:
     #: The engine's context (after ``--context-length``), kept across unloads:
     #: the model listings report it.
     context_length: int | None = None
+    #: Seconds this model stays loaded once idle, as the last request that said
+    #: so asked (:meth:`ModelRegistry.keep_alive`; ``inf``: never unloaded);
+    #: None: the server's ``idle_unload``.
+    keep_alive: float | None = None
     download: Progress | None = None
     _loading: concurrent.futures.Future[None] | None = field(default=None, repr=False)
     _turns: _Turns = field(default_factory=lambda: _Turns(), repr=False)
@@ -467,10 +474,16 @@ class ModelRegistry:
         self.serving = threading.Event()
         self._reaper: threading.Thread | None = None
         if idle_unload is not None:
+            self._start_reaper()
+
+    def _start_reaper(self) -> None:
+        with self._cond:
+            if self._reaper is not None:
+                return
             self._reaper = threading.Thread(
                 target=self._reap_loop, name="cairn-idle-unload", daemon=True
             )
-            self._reaper.start()
+        self._reaper.start()
 
     # ------------------------------------------------------------ lookup
 
@@ -755,6 +768,7 @@ class ModelRegistry:
             sm.loaded = None
             sm.state = "unloaded"
             sm.unloads += 1
+            sm.keep_alive = None  # a request's keep_alive lasts until the model goes
             self._cond.notify_all()
         life_log.info("model %s unloaded", sm.name)
 
@@ -769,9 +783,26 @@ class ModelRegistry:
             self._finish_unloads(taken)
         return True
 
+    def keep_alive(self, name: str, seconds: float | None) -> None:
+        """How long ``name``'s model stays loaded once idle, from now on: 0 unloads it
+        when its last lease ends, ``math.inf`` never, None the server's ``idle_unload``.
+
+        Example: ``registry.keep_alive("qwen3", 0)`` after a request frees its memory.
+        """
+        sm = self.resolve(name)
+        with self._cond:
+            sm.keep_alive = seconds
+        if seconds is not None and seconds != math.inf:
+            self._start_reaper()
+
+    def idle_limit(self, sm: ServedModel) -> float | None:
+        """Seconds ``sm`` may stay idle before it is unloaded (None: never)."""
+        limit = sm.keep_alive if sm.keep_alive is not None else self.idle_unload
+        return None if limit is None or limit == math.inf else limit
+
     def _reap_loop(self) -> None:
-        assert self.idle_unload is not None
-        interval = max(0.05, min(1.0, self.idle_unload / 4))
+        # A keep_alive of 0 asks for an unload right after the request: look often.
+        interval = max(0.05, min(1.0, (self.idle_unload or 1.0) / 4))
         try:
             while not self._closed.wait(interval):
                 self.reap_idle()
@@ -779,8 +810,8 @@ class ModelRegistry:
             _end_mlx_thread()
 
     def reap_idle(self) -> list[str]:
-        """Unload every model idle for ``idle_unload`` seconds (skipped while a load runs)."""
-        if self.idle_unload is None or not self._load_serial.acquire(blocking=False):
+        """Unload every model idle for its :meth:`idle_limit` (skipped while a load runs)."""
+        if not self._load_serial.acquire(blocking=False):
             return []
         try:
             now = time.time()
@@ -792,7 +823,8 @@ class ModelRegistry:
                     and not m.pinned
                     and m.active == 0
                     and m.waiting == 0
-                    and now - (m.last_used or now) >= self.idle_unload
+                    and (limit := self.idle_limit(m)) is not None
+                    and now - (m.last_used or now) >= limit
                 ]
             names = [m.name for m, _ in idle]
             self._finish_unloads(idle)

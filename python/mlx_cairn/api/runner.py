@@ -44,6 +44,10 @@ that extension, so under ``cairn serve`` the same two values end the stream as
 an SSE comment line (``: x-session-cache=prefix_hit x-cached-tokens=128``),
 which every SSE client ignores, and the count is in the final usage
 (``cache_read_input_tokens`` for Anthropic) as well.
+
+Framing: a codec streams SSE unless it names another
+:class:`~mlx_cairn.protocol.base.Framing` (the Ollama API's NDJSON, whose
+pings and closing note are empty: its clients parse every line as JSON).
 """
 
 from __future__ import annotations
@@ -64,8 +68,8 @@ from mlx_cairn.api.metrics import CLIENT_GONE_SCOPE_KEY, observe_event
 from mlx_cairn.api.registry import ModelLease, ServedModel
 from mlx_cairn.api.state import AppState, app_state, read_json
 from mlx_cairn.errors import CairnError, ContextLengthExceeded, error_kind
-from mlx_cairn.protocol.base import Codec, WireEvent, check_depth, encode
-from mlx_cairn.protocol.sse import comment, json_bytes
+from mlx_cairn.protocol.base import Codec, Framing, WireEvent, check_depth, framing_of
+from mlx_cairn.protocol.sse import json_bytes
 from mlx_cairn.types import ChatRequest, Done, Error, Event
 
 log = logging.getLogger("mlx_cairn.api")
@@ -103,6 +107,9 @@ class DialectRequest(Protocol):
     #: context-length error names them (``input`` / ``max_output_tokens`` ...).
     prompt_param: str
     max_tokens_param: str
+    # Optional: ``context_limit`` (int | None), a smaller context than the
+    # model's that this request asks for (Ollama's ``options.num_ctx``), read
+    # by :func:`prepare_generation` with getattr: most dialects have none.
 
 
 R = TypeVar("R", bound=DialectRequest)
@@ -113,8 +120,12 @@ async def serve_generation(
     dialect: Dialect,
     parse: Callable[[Any, AppState], R],
     make_codec: Callable[[R, AppState, ServedModel, int], Codec],
+    *,
+    body: Any = None,
 ) -> Response:
     """The one route body of every generation dialect: parse -> lease -> prepare -> codec -> submit.
+
+    ``body``: the request's JSON when the route has decoded it already (else it is read here).
 
     Everything that can fail on the request's content runs before
     :meth:`Engine.submit`: body decoding and its nesting bound, the dialect's
@@ -126,7 +137,8 @@ async def serve_generation(
     lease (see the module doc).
     """
     state = app_state(request)
-    body = await read_json(request)
+    if body is None:
+        body = await read_json(request)
     if len(await request.body()) >= PARSE_OFF_LOOP_BYTES:  # the bytes are cached by now
         req = await asyncio.to_thread(_check_and_parse, parse, body, state)
     else:
@@ -173,6 +185,7 @@ async def _start(
             req.chat,
             clamp_max_tokens=clamp,
             params=(req.prompt_param, req.max_tokens_param),
+            context_limit=getattr(req, "context_limit", None),
         )
         n = int(prepared.num_prompt_tokens)
         codec = make_codec(req, state, lease, n)
@@ -220,18 +233,22 @@ async def prepare_generation(
     *,
     clamp_max_tokens: bool = False,
     params: tuple[str, str] = ("messages", "max_tokens"),
+    context_limit: int | None = None,
 ) -> Any:
     """Template, tokenize and check ``chat`` off the event loop (400s raised here).
 
     With ``clamp_max_tokens`` a request whose prompt fits but whose
     ``max_tokens`` does not is given the room that is left instead of a 400.
     ``params`` are the request's names for its prompt and its token cap, as a
-    context-length error names them.
+    context-length error names them. ``context_limit``: the request's own
+    context, checked (and clamped to) like the model's where it is smaller.
     """
     try:
         prepared = await asyncio.to_thread(
             sm.engine.prepare, chat, clamp_max_tokens=clamp_max_tokens
         )
+        if context_limit is not None:
+            _within(prepared, context_limit, clamp_max_tokens)
     except ContextLengthExceeded as e:
         e = e.named(*params)
         if not clamp_max_tokens:
@@ -239,6 +256,20 @@ async def prepare_generation(
         raise e from None
     chat.max_tokens = prepared.max_tokens  # the codecs echo the cap that was used
     return prepared
+
+
+def _within(prepared: Any, limit: int, clamp: bool) -> None:
+    """Hold ``prepared`` to a request's own context of ``limit`` tokens (see above)."""
+    n = int(prepared.num_prompt_tokens)
+    what = "the context this request asked for"
+    if n > limit:
+        raise ContextLengthExceeded(prompt_tokens=n, limit=limit, what=what)
+    if clamp and n + prepared.max_tokens > limit:
+        prepared.max_tokens = max(limit - n, 1)  # a prompt that fills it still fails below
+    if n + prepared.max_tokens > limit:
+        raise ContextLengthExceeded(
+            prompt_tokens=n, limit=limit, max_tokens=prepared.max_tokens, what=what
+        )
 
 
 async def start_generation(
@@ -358,11 +389,12 @@ class GenerationResponse(Response):
     # ------------------------------------------------------------ SSE
 
     async def _run_stream(self, scope: Scope, send: Send, head_sent: bool) -> None:
+        framing = framing_of(self.codec)
         if not head_sent:
-            await _send_sse_head(scope, send)
+            await _send_stream_head(scope, send, framing)
         loop = asyncio.get_running_loop()
         if self.opening:
-            await send(_body(b"".join(encode(f) for f in self.opening)))
+            await send(_body(b"".join(framing.encode(f) for f in self.opening)))
         stream = self.gen.stream
         interval = self.ping_interval
         last_sent = loop.time()
@@ -397,12 +429,12 @@ class GenerationResponse(Response):
                         final = True
                         break
                 if frames:
-                    await send(_body(b"".join(encode(f) for f in frames)))
+                    await send(_body(b"".join(framing.encode(f) for f in frames)))
                     last_sent = loop.time()
         finally:
             if timer is not None:
                 timer.cancel()
-        await _end_sse(scope, send, done.usage.cached_tokens if done is not None else 0)
+        await _end_stream(scope, send, framing, done.usage.cached_tokens if done is not None else 0)
 
     # ----------------------------------------------------------- JSON
 
@@ -472,7 +504,7 @@ class LoadingStreamResponse(Response):
         watcher = asyncio.ensure_future(_wait_for_disconnect(receive))
         gen: GenerationResponse | None = None
         try:
-            await _send_sse_head(scope, send)
+            await _send_stream_head(scope, send, framing_of(self.codec))
             while True:
                 await send(
                     {"type": "http.response.body", "body": self.codec.ping(), "more_body": True}
@@ -511,17 +543,18 @@ class LoadingStreamResponse(Response):
     async def _fail(self, scope: Scope, send: Send, kind: str, message: str) -> None:
         err = Error(kind, message)
         frames = self.codec.open() + self.codec.feed(err)
-        body = b"".join(encode(f) for f in frames)
+        framing = framing_of(self.codec)
+        body = b"".join(framing.encode(f) for f in frames)
         await send({"type": "http.response.body", "body": body, "more_body": True})
         observe_event(scope, self.model, err)
-        await _end_sse(scope, send, 0)
+        await _end_stream(scope, send, framing, 0)
 
 
-async def _send_sse_head(scope: Scope, send: Send) -> None:
-    """``http.response.start`` of an SSE answer (trailers announced when the server has them)."""
+async def _send_stream_head(scope: Scope, send: Send, framing: Framing) -> None:
+    """``http.response.start`` of a streamed answer (trailers announced when the server has them)."""
     trailers = TRAILERS_EXT in (scope.get("extensions") or {})
     headers = [
-        (b"content-type", b"text/event-stream; charset=utf-8"),
+        (b"content-type", framing.media_type),
         (b"cache-control", b"no-cache"),
         (b"x-accel-buffering", b"no"),
         (b"x-session-cache", b"streaming"),
@@ -533,8 +566,9 @@ async def _send_sse_head(scope: Scope, send: Send) -> None:
     )
 
 
-async def _end_sse(scope: Scope, send: Send, cached: int) -> None:
-    """End an SSE answer with its session-cache figures (trailers, else a comment line)."""
+async def _end_stream(scope: Scope, send: Send, framing: Framing, cached: int) -> None:
+    """End a streamed answer with its session-cache figures (trailers, else a line
+    clients skip: an SSE comment; nothing in NDJSON, which has no such line)."""
     session = b"prefix_hit" if cached > 0 else b"fresh"
     if TRAILERS_EXT in (scope.get("extensions") or {}):
         await send({"type": "http.response.body", "body": b"", "more_body": False})
@@ -549,7 +583,7 @@ async def _end_sse(scope: Scope, send: Send, cached: int) -> None:
             }
         )
     else:
-        tail = comment(f"x-session-cache={session.decode()} x-cached-tokens={cached}")
+        tail = framing.note(f"x-session-cache={session.decode()} x-cached-tokens={cached}")
         await send({"type": "http.response.body", "body": tail, "more_body": False})
 
 

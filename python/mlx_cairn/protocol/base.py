@@ -22,12 +22,14 @@ from __future__ import annotations
 import math
 import secrets
 import string
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import orjson
 
 from mlx_cairn.errors import InvalidRequest
-from mlx_cairn.protocol.sse import frame
+from mlx_cairn.protocol.sse import comment, frame, json_bytes
 from mlx_cairn.types import Event, Timings, ToolCall, Usage
 
 #: One frame of a dialect's stream: (SSE event name or None, JSON payload or raw str).
@@ -57,6 +59,40 @@ class Codec(Protocol):
 def encode(we: WireEvent) -> bytes:
     """SSE bytes of one wire event."""
     return frame(we[0], we[1])
+
+
+@dataclass(frozen=True, slots=True)
+class Framing:
+    """How a stream's wire events become bytes: SSE (every dialect but one) or NDJSON.
+
+    A codec names its framing in a ``framing`` attribute; without one it is
+    :data:`SSE`. ``note`` frames a line clients skip (the session-cache
+    figures at the end of a stream when the server has no HTTP trailers);
+    b"" where the format has no such line.
+
+    >>> NDJSON.encode((None, {"done": True}))
+    b'{"done":true}\\n'
+    """
+
+    media_type: bytes
+    encode: Callable[[WireEvent], bytes]
+    note: Callable[[str], bytes]
+
+
+def _ndjson_line(we: WireEvent) -> bytes:
+    return json_bytes(we[1]) + b"\n"
+
+
+SSE = Framing(b"text/event-stream; charset=utf-8", encode, comment)
+#: One JSON object per line (the Ollama API): no comment line exists, so nothing
+#: but the objects themselves is ever written (its clients parse every line).
+NDJSON = Framing(b"application/x-ndjson", _ndjson_line, lambda _text: b"")
+
+
+def framing_of(codec: Any) -> Framing:
+    """The framing ``codec`` streams in (:data:`SSE` unless it names another)."""
+    f = getattr(codec, "framing", None)
+    return f if isinstance(f, Framing) else SSE
 
 
 _ALNUM = string.ascii_letters + string.digits
