@@ -133,6 +133,32 @@ class SamplingParams:
 
 
 @dataclass(slots=True)
+class RawPrompt:
+    """A prompt that bypasses the chat template (legacy completions, fill-in-the-middle).
+
+    Exactly one of ``text`` / ``ids`` is the prompt. With ``suffix`` set the
+    prompt is a fill-in-the-middle one: ``text`` is the code before the
+    cursor, ``suffix`` the code after it, built with the model's own FIM
+    tokens (:func:`mlx_cairn.chat.fim.fim_prompt`). Output is plain text: no
+    reasoning split, no tool-call parsing.
+
+    Example::
+
+        ChatRequest(messages=[], raw=RawPrompt(text="def add(a, b):"), max_tokens=16)
+        ChatRequest(messages=[], raw=RawPrompt(text="def f():\\n    ", suffix="\\n"))
+    """
+
+    text: str = ""
+    #: Token ids sent by the client instead of text (prefilled as they are).
+    ids: list[int] | None = None
+    #: The text after the cursor (fill-in-the-middle). An empty suffix on a
+    #: model without FIM tokens is a plain completion: nothing follows the cursor.
+    suffix: str | None = None
+    #: Other files as FIM context, each ``{"filename": ..., "text": ...}``.
+    extra: list[dict[str, str]] = field(default_factory=list)
+
+
+@dataclass(slots=True)
 class ChatRequest:
     """A validated, dialect-neutral generation request."""
 
@@ -165,6 +191,8 @@ class ChatRequest:
     #: template would rewrite them, so the next turn reads them from the prefix
     #: cache (chat/history.py); the client asked to keep earlier thinking.
     history_as_generated: bool = False
+    #: A prompt without the chat template (``messages`` is then empty).
+    raw: RawPrompt | None = None
 
     @property
     def offers_tools(self) -> bool:

@@ -18,7 +18,7 @@ from mlx_cairn.chat.detect import ReasoningInfo, starts_in_reasoning
 from mlx_cairn.chat.history import render_as_generated
 from mlx_cairn.chat.template import ChatTemplate
 from mlx_cairn.chat.tokenizer import Tokenizer
-from mlx_cairn.types import ChatRequest, Message
+from mlx_cairn.types import ChatRequest, Message, RawPrompt
 
 
 @dataclass(frozen=True, slots=True)
@@ -99,6 +99,36 @@ def build_prompt(
         in_reasoning=starts_in_reasoning(marked[tail:], reasoning),
         last_user_at=token_at,
     )
+
+
+def build_raw_prompt(raw: RawPrompt, tokenizer: Tokenizer) -> Prompt:
+    """The prompt of a request without a chat template (legacy completions).
+
+    Client token ids are taken as they are. Text is tokenized as Hugging
+    Face's ``tokenizer(text)`` does, the way llama.cpp, vLLM and mlx-lm read a
+    completions prompt: BOS first where the tokenizer adds one, special-token
+    strings as their control tokens (the client writes the whole prompt, its
+    markup included). With a suffix it is a fill-in-the-middle prompt, where
+    prefix and suffix are code and so plain text (:func:`fim_prompt`).
+
+    Example::
+
+        build_raw_prompt(RawPrompt(text="Once upon a time"), tok).ids
+    """
+    from mlx_cairn.chat.fim import fim_family, fim_prompt
+
+    if raw.ids is not None:
+        return Prompt(text="", ids=list(raw.ids), in_reasoning=False)
+    if raw.suffix or (raw.suffix is not None and fim_family(tokenizer) is not None):
+        ids = fim_prompt(tokenizer, raw.text, raw.suffix, raw.extra)
+        return Prompt(
+            text=tokenizer.decode(ids, skip_special_tokens=False), ids=ids, in_reasoning=False
+        )
+    ids = tokenizer.encode(raw.text)
+    bos = tokenizer.bos_token_id
+    if tokenizer.add_bos and bos is not None and (not ids or ids[0] != bos):
+        ids.insert(0, bos)
+    return Prompt(text=raw.text, ids=ids, in_reasoning=False)
 
 
 #: A private-use character (plane 15: DataMarks uses plane 16), removed again

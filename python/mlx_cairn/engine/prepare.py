@@ -17,7 +17,8 @@ from typing import Any
 import orjson
 
 from mlx_cairn import heavy
-from mlx_cairn.chat.prompt import template_kwargs
+from mlx_cairn.chat.fim import fim_stop_ids
+from mlx_cairn.chat.prompt import build_raw_prompt, template_kwargs
 from mlx_cairn.engine.prompt_bound import vocab_bound
 from mlx_cairn.engine.sequence import PreparedRequest
 from mlx_cairn.errors import ContextLengthExceeded, InvalidRequest
@@ -34,6 +35,7 @@ from mlx_cairn.types import (
     MAX_TOP_LOGPROBS,
     MIN_SEED,
     ChatRequest,
+    RawPrompt,
     SamplingParams,
 )
 
@@ -120,8 +122,7 @@ def render(
     Large requests run on :data:`mlx_cairn.heavy.GATE` (QueueFull when too
     many threads wait for it); small ones go straight through.
     """
-    if not request.messages:
-        raise InvalidRequest("messages must not be empty", param="messages")
+    _check_prompt_given(request)
     if not heavy.is_large(request_text_size(request)):
         return _render(loaded, request)
     return heavy.GATE.call(_render_large, loaded, request, limit, what)
@@ -139,6 +140,11 @@ def _render_large(loaded: Any, request: ChatRequest, limit: int | None, what: st
 
 def _render(loaded: Any, request: ChatRequest, *, text_only: bool = False) -> Any:
     """The Prompt of ``request``, or with ``text_only`` just its text (not tokenized)."""
+    raw = request.raw
+    if raw is not None:
+        if text_only:
+            return raw.text + (raw.suffix or "") + "".join(c.get("text", "") for c in raw.extra)
+        return _raw_prompt(loaded, raw)
     try:
         if not text_only:
             return loaded.prompt(request)
@@ -156,9 +162,37 @@ def _render(loaded: Any, request: ChatRequest, *, text_only: bool = False) -> An
         raise InvalidRequest(f"could not render the chat template: {e}", param="messages") from e
 
 
+def _check_prompt_given(request: ChatRequest) -> None:
+    if request.raw is not None:
+        if request.messages:
+            raise InvalidRequest("a raw prompt takes no messages", param="messages")
+    elif not request.messages:
+        raise InvalidRequest("messages must not be empty", param="messages")
+
+
+def _raw_prompt(loaded: Any, raw: RawPrompt) -> Any:
+    """The Prompt of a raw (template-free) request; client token ids must be in the vocabulary."""
+    if raw.ids is not None:
+        vocab = vocab_size(loaded)
+        bad = next((t for t in raw.ids if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise InvalidRequest(
+                f"prompt token id {bad} is outside the vocabulary (0..{vocab - 1})",
+                param="prompt",
+            )
+    prompt = build_raw_prompt(raw, loaded.tokenizer)
+    if not prompt.ids:
+        raise InvalidRequest("the prompt is empty (no tokens)", param="prompt")
+    return prompt
+
+
 def request_text_size(request: ChatRequest) -> int:
     """About how many characters of text ``request`` brings to its prompt (cheap: no render)."""
     n = 0
+    if request.raw is not None:
+        raw = request.raw
+        n += len(raw.text) + len(raw.suffix or "") + len(raw.ids or ())
+        n += sum(len(c.get("text", "")) + len(c.get("filename", "")) for c in raw.extra)
     for m in request.messages:
         n += len(m.content) + len(m.reasoning or "") + len(m.name or "")
         n += sum(len(c.name) + len(c.arguments) for c in m.tool_calls)
@@ -185,8 +219,7 @@ def prepare(
     With ``clamp_max_tokens`` a prompt that fits but leaves less room than
     ``max_tokens`` gets the room that is left instead of an error.
     """
-    if not request.messages:
-        raise InvalidRequest("messages must not be empty", param="messages")
+    _check_prompt_given(request)
     mt = request.max_tokens
     if not isinstance(mt, int) or isinstance(mt, bool) or mt < 1:
         raise InvalidRequest(
@@ -228,7 +261,9 @@ def prepare(
     if n + mt > limit:
         raise ContextLengthExceeded(prompt_tokens=n, limit=limit, max_tokens=mt, what=what)
     info = loaded.reasoning
-    reasoning = bool(info.supported and (request.reasoning is not False))
+    # A raw prompt's output is plain text: the model continues the client's own prompt.
+    raw = request.raw is not None
+    reasoning = bool(info.supported and (request.reasoning is not False)) and not raw
     budget = request.reasoning_budget
     if budget is not None and (
         not isinstance(budget, int) or isinstance(budget, bool) or budget < 1
@@ -249,7 +284,7 @@ def prepare(
         request=request,
         prompt_ids=list(prompt.ids),
         last_user_at=prompt.last_user_at,
-        parser_family=output_family(loaded.parser_family, tools_on),
+        parser_family=None if raw else output_family(loaded.parser_family, tools_on),
         reasoning=reasoning,
         in_reasoning=bool(prompt.in_reasoning),
         salt=f"{loaded.identity}\x00{request.cache_salt or ''}",
@@ -259,7 +294,15 @@ def prepare(
         reasoning_tags=tags,
         grammar=grammar,
         grammar_after=after,
+        stop_token_ids=_fim_stop_ids(loaded, request),
     )
+
+
+def _fim_stop_ids(loaded: Any, request: ChatRequest) -> frozenset[int]:
+    """A fill-in-the-middle request also ends at the model's end-of-middle tokens."""
+    if request.raw is None or request.raw.suffix is None:
+        return frozenset()
+    return frozenset(fim_stop_ids(loaded.tokenizer))
 
 
 def _forced_tools(request: ChatRequest) -> list[Any] | None:

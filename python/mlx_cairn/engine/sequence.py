@@ -58,6 +58,9 @@ class PreparedRequest:
     #: Prompt token where the last user message starts (hybrid models: a state
     #: snapshot point, so another question after the same history hits).
     last_user_at: int | None = None
+    #: Token ids that end generation as EOS does, for this request only (a
+    #: fill-in-the-middle prompt's end-of-middle tokens).
+    stop_token_ids: frozenset[int] = frozenset()
 
     @property
     def num_prompt_tokens(self) -> int:

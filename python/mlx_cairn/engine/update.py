@@ -363,7 +363,7 @@ class StateUpdate:
         try:
             if self.row_hook is not None:
                 self.row_hook("detokenize", seq)
-            if token in self.eos:
+            if token in self.eos or token in seq.prepared.stop_token_ids:
                 events = out.flush()
                 reason = "end_turn"
             else:
