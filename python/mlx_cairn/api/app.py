@@ -52,6 +52,7 @@ DIALECT_MODULES: list[str] = [
     "mlx_cairn.api.anthropic",
     "mlx_cairn.api.openai_chat",
     "mlx_cairn.api.openai_responses",
+    "mlx_cairn.api.openai_completions",
 ]
 
 #: Methods a browser script may use here (OPTIONS is the preflight itself).

@@ -55,7 +55,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar
 
@@ -122,10 +122,14 @@ async def serve_generation(
     make_codec: Callable[[R, AppState, ServedModel, int], Codec],
     *,
     body: Any = None,
+    start: Callable[[AppState, Dialect, R, Any], Awaitable[GenerationResponse]] | None = None,
 ) -> Response:
     """The one route body of every generation dialect: parse -> lease -> prepare -> codec -> submit.
 
     ``body``: the request's JSON when the route has decoded it already (else it is read here).
+    ``start``: lease -> prepare -> codec -> submit for a dialect that runs
+    several generations per request (legacy Completions: api/choices.py);
+    the default runs ``req.chat``.
 
     Everything that can fail on the request's content runs before
     :meth:`Engine.submit`: body decoding and its nesting bound, the dialect's
@@ -143,22 +147,23 @@ async def serve_generation(
         req = await asyncio.to_thread(_check_and_parse, parse, body, state)
     else:
         req = _check_and_parse(parse, body, state)
+    begin = start or _start
     if not req.stream:
-        return await _start(state, dialect, req, make_codec)
-    start = asyncio.ensure_future(_start(state, dialect, req, make_codec))
+        return await begin(state, dialect, req, make_codec)
+    starting = asyncio.ensure_future(begin(state, dialect, req, make_codec))
     try:
-        if not await _loads_too_long(state, req.model, start):
-            return await start
+        if not await _loads_too_long(state, req.model, starting):
+            return await starting
         slot = state.registry.resolve(req.model)
         return LoadingStreamResponse(
-            start,
+            starting,
             make_codec(req, state, slot, 0),  # pings and errors only: no opening is sent
             dialect=dialect,
             model=slot.name,
             ping_interval=state.config.ping_interval,
         )
     except BaseException:
-        start.cancel()
+        starting.cancel()
         raise
 
 
