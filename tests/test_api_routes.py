@@ -24,6 +24,7 @@ from scripted_model import scripted_model
 
 TOKEN = "routes-token-0123456789"
 KEY = {"x-api-key": TOKEN}
+JSON = {"accept": "application/json"}
 ANTHROPIC = {**KEY, "anthropic-version": "2023-06-01"}
 ALIASES = {"fast": "scripted", "claude-haiku-*": "scripted"}
 
@@ -203,11 +204,14 @@ def test_sdks_retrieve_a_model(client: TestClient) -> None:
 def test_root_and_health_probes(client: TestClient, caplog: pytest.LogCaptureFixture) -> None:
     caplog.set_level(logging.DEBUG)
     for path in ("/", "/health"):
-        r = client.head(path)
+        r = client.head(path, headers=JSON)
         assert r.status_code == 200 and r.content == b"", path
         assert r.headers["content-type"] == "application/json"
-    assert client.get("/").json() == {"status": "ok"}  # anonymous: liveness only
-    full = client.get("/", headers=KEY).json()
+    # What Ollama clients look for; JSON for callers that ask for it.
+    assert client.get("/").text == "Ollama is running"
+    assert client.head("/").headers["content-type"].startswith("text/plain")
+    assert client.get("/", headers=JSON).json() == {"status": "ok"}  # anonymous: liveness only
+    full = client.get("/", headers={**KEY, **JSON}).json()
     assert full["status"] == "ok" and full["name"] == "mlx-cairn" and "version" in full
     assert client.head("/", headers=KEY).status_code == 200
     assert client.head("/health", headers=KEY).status_code == 200
@@ -231,7 +235,8 @@ def test_probes_over_a_real_server(engine: Engine, caplog: pytest.LogCaptureFixt
         for path in ("/", "/health"):
             r = httpx.head(srv.url + path, timeout=10)
             assert r.status_code == 200 and r.content == b""
-        assert httpx.get(srv.url + "/", timeout=10).json() == {"status": "ok"}
+        assert httpx.get(srv.url + "/", headers=JSON, timeout=10).json() == {"status": "ok"}
+        assert httpx.get(srv.url + "/", timeout=10).text == "Ollama is running"
     assert [r for r in caplog.records if r.levelno >= logging.WARNING] == []
     assert api_lines(caplog) == []
 

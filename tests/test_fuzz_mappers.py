@@ -39,6 +39,7 @@ MAPPERS: list[tuple[str, str, dict[str, Any]]] = [
     ("mlx_cairn.protocol.anthropic", "parse_messages_request", {"max_tokens_limit": LIMIT}),
     ("mlx_cairn.protocol.anthropic", "parse_count_tokens_request", {}),
     ("mlx_cairn.protocol.openai_chat", "parse_chat_request", {"max_tokens_limit": LIMIT}),
+    ("mlx_cairn.protocol.ollama", "parse_chat_request", {"max_tokens_limit": LIMIT}),
     (
         "mlx_cairn.protocol.openai_responses",
         "parse_responses_request",
@@ -173,6 +174,10 @@ TOP_FIELDS = [
     "response_format",
     "parallel_tool_calls",
     "user",
+    "options",
+    "format",
+    "think",
+    "keep_alive",
 ]
 
 

@@ -31,6 +31,15 @@ ROUTES = {
         {"model": "m", "max_tokens": 8, "messages": [{"role": "user", "content": say("hi")}]},
     ),
     "responses": ("/v1/responses", {"model": "m", "max_output_tokens": 8, "input": say("hi")}),
+    "ollama": (
+        "/api/chat",
+        {
+            "model": "m",
+            "stream": False,
+            "options": {"num_predict": 8},
+            "messages": [{"role": "user", "content": say("hi")}],
+        },
+    ),
 }
 
 

@@ -33,7 +33,7 @@ from fastapi.exceptions import RequestValidationError
 from starlette.datastructures import Headers, MutableHeaders
 from starlette.exceptions import HTTPException
 from starlette.middleware.cors import CORSMiddleware
-from starlette.responses import Response
+from starlette.responses import PlainTextResponse, Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from mlx_cairn import __version__
@@ -53,6 +53,7 @@ DIALECT_MODULES: list[str] = [
     "mlx_cairn.api.openai_chat",
     "mlx_cairn.api.openai_responses",
     "mlx_cairn.api.openai_completions",
+    "mlx_cairn.api.ollama",
 ]
 
 #: Methods a browser script may use here (OPTIONS is the preflight itself).
@@ -235,7 +236,14 @@ def create_app(registry: ModelRegistry, config: ServerConfig | None = None) -> F
 
 
 async def root(request: Request) -> Response:
-    """``GET /`` and ``HEAD /`` (Claude Code's start-up probe): liveness, like ``/health``."""
+    """``GET /`` and ``HEAD /`` (Claude Code's and Ollama clients' start-up probe): liveness.
+
+    ``Ollama is running`` in plain text, the answer Ollama clients look for;
+    a caller that asks for JSON (``Accept: application/json``) gets it as
+    ``/health`` does, with the server's name and version once authenticated.
+    """
+    if "application/json" not in request.headers.get("accept", ""):
+        return PlainTextResponse("Ollama is running")
     if not is_authenticated(request.scope):
         return json_response({"status": "ok"})
     return json_response({"status": "ok", "name": "mlx-cairn", "version": __version__})

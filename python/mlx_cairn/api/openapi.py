@@ -265,12 +265,125 @@ RESPONSES_BODY: dict[str, Any] = {
     },
 }
 
+_OLLAMA_COMMON: dict[str, Any] = {
+    "model": _NAME,
+    "stream": _BOOL,
+    "format": {"anyOf": [{"enum": ["", "json"]}, _OBJ]},
+    "think": {"anyOf": [_BOOL, {"enum": ["low", "medium", "high"]}]},
+    "keep_alive": {"anyOf": [{"type": "number"}, _STR]},
+    "logprobs": _BOOL,
+    "top_logprobs": {"type": "integer", "minimum": 0, "maximum": 20},
+    "options": {
+        "type": "object",
+        "properties": {
+            "temperature": {"type": "number", "minimum": 0, "maximum": 2},
+            "top_p": _TOP_P,
+            "top_k": {"type": "integer", "minimum": 0},
+            "seed": _INT,
+            "num_predict": {"type": "integer", "minimum": -2},
+            "num_ctx": {"type": "integer", "minimum": 1},
+            "stop": {"type": "array", "items": _NAME},
+            "repeat_penalty": {"type": "number", "exclusiveMinimum": 0, "maximum": 10},
+        },
+    },
+}
+OLLAMA_CHAT_BODY: dict[str, Any] = {
+    "type": "object",
+    "required": ["model", "messages"],
+    "properties": {
+        **_OLLAMA_COMMON,
+        "messages": {
+            "type": "array",
+            "items": {
+                "type": "object",
+                "required": ["role", "content"],
+                "properties": {
+                    "role": {"enum": ["system", "user", "assistant", "tool"]},
+                    "content": _STR,
+                    "thinking": _STR,
+                    "tool_name": _STR,
+                    "tool_calls": {
+                        "type": "array",
+                        "items": {
+                            "type": "object",
+                            "required": ["function"],
+                            "properties": {
+                                "function": {
+                                    "type": "object",
+                                    "required": ["name", "arguments"],
+                                    "properties": {"name": _NAME, "arguments": _OBJ},
+                                }
+                            },
+                        },
+                    },
+                },
+            },
+        },
+        "tools": CHAT_BODY["properties"]["tools"],
+    },
+}
+OLLAMA_GENERATE_BODY: dict[str, Any] = {
+    "type": "object",
+    "required": ["model"],
+    "properties": {
+        **_OLLAMA_COMMON,
+        "prompt": _STR,
+        "system": _STR,
+        "suffix": _STR,
+        "raw": _BOOL,
+        "context": {"type": "array", "items": _INT},
+    },
+}
+
+_TOKENS = {"type": "array", "minItems": 1, "items": {"type": "integer", "minimum": 0}}
+EMBEDDINGS_BODY: dict[str, Any] = {
+    "type": "object",
+    "required": ["model", "input"],
+    "properties": {
+        "model": _NAME,
+        "input": {
+            "anyOf": [
+                _NAME,
+                {"type": "array", "minItems": 1, "maxItems": 2048, "items": _NAME},
+                _TOKENS,
+                {"type": "array", "minItems": 1, "maxItems": 2048, "items": _TOKENS},
+            ]
+        },
+        "encoding_format": {"enum": ["float", "base64"]},
+        "dimensions": {"type": "integer", "minimum": 1},
+        "user": _STR,
+    },
+}
+_OLLAMA_EMBED_COMMON: dict[str, Any] = {
+    "model": _NAME,
+    "options": _OBJ,
+    "keep_alive": {"anyOf": [{"type": "number"}, _STR]},
+}
+OLLAMA_EMBED_BODY: dict[str, Any] = {
+    "type": "object",
+    "required": ["model"],
+    "properties": {
+        **_OLLAMA_EMBED_COMMON,
+        "input": {"anyOf": [_STR, {"type": "array", "maxItems": 2048, "items": _NAME}]},
+        "truncate": _BOOL,
+        "dimensions": {"type": "integer", "minimum": 1},
+    },
+}
+OLLAMA_EMBEDDINGS_BODY: dict[str, Any] = {
+    "type": "object",
+    "required": ["model"],
+    "properties": {**_OLLAMA_EMBED_COMMON, "prompt": _STR},
+}
+
 #: (path, method) -> request-body schema.
 BODIES: dict[tuple[str, str], dict[str, Any]] = {
     ("/v1/messages", "post"): MESSAGES_BODY,
     ("/v1/messages/count_tokens", "post"): COUNT_TOKENS_BODY,
     ("/v1/chat/completions", "post"): CHAT_BODY,
     ("/v1/responses", "post"): RESPONSES_BODY,
+    ("/api/chat", "post"): OLLAMA_CHAT_BODY,
+    ("/api/generate", "post"): OLLAMA_GENERATE_BODY,
+    ("/api/show", "post"): {
 }
 
 
