@@ -276,9 +276,10 @@ def _facts(loaded: Any) -> dict[str, Any]:
     family = getattr(model, "model_type", None) or getattr(
         getattr(model, "args", None), "model_type", ""
     )
-    params = 0
+    flat: list[tuple[str, Any]] = []
     if hasattr(model, "parameters"):
-        params = sum(int(v.size) for _, v in tree_flatten(model.parameters()))
+        flat = tree_flatten(model.parameters())  # type: ignore[assignment]
+    params = sum(int(v.size) for _, v in flat)
     caps = ["completion"]
     if loaded.parser_family is not None:
         caps.append("tools")
