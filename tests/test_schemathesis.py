@@ -25,7 +25,10 @@ from hypothesis import HealthCheck, settings
 from live_server import ANTHROPIC_ERROR_TYPES, registry_for, serve
 from mlx_cairn.api import ModelRegistry, ServerConfig, create_app
 from mlx_cairn.engine import Engine
+from mlx_cairn.engine.embedding import EmbeddingEngine
 from mlx_cairn.engine.testing import assert_at_rest
+from mlx_cairn.models.embedding import load_embedding_model
+from mlx_cairn.models.testing_embed import save_tiny_embedding
 from scripted_model import scripted_model
 
 TOKEN = "schemathesis-token"
@@ -41,12 +44,19 @@ CONFIG = ServerConfig(api_token=TOKEN, max_body_bytes=256 * 1024, max_tokens_lim
 REQUEST_TIMEOUT = 30.0
 
 
+#: Routes answered by an embedding model (a tiny BERT served as "embed").
+EMBEDDING_PATHS = ("/v1/embeddings", "/api/embed", "/api/embeddings")
+
+
 @pytest.fixture(scope="module")
-def live() -> Iterator[dict[str, Any]]:
+def live(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
     engine = Engine(scripted_model("scripted"), num_blocks=256, block_size=16, max_queue=16)
-    with serve(registry_for({"scripted": engine}), CONFIG) as srv:
+    folder = save_tiny_embedding("bert", tmp_path_factory.mktemp("embed") / "bert")
+    embed = EmbeddingEngine(load_embedding_model(folder), max_queue=16)
+    with serve(registry_for({"scripted": engine, "embed": embed}), CONFIG) as srv:
         yield {"url": srv.url, "engine": engine}
     engine.close()
+    embed.close()
 
 
 def _document() -> dict[str, Any]:
@@ -92,7 +102,8 @@ def check_envelope(path: str, r: Any) -> None:
 def test_every_route_survives_generated_requests(case: Any, live: dict[str, Any]) -> None:
     headers = dict(AUTH)
     if isinstance(case.body, dict) and isinstance(case.body.get("model"), str):
-        case.body["model"] = "scripted"  # reach the engine (unknown names are 404s elsewhere)
+        # Reach the engine (unknown names are 404s elsewhere).
+        case.body["model"] = "embed" if case.path in EMBEDDING_PATHS else "scripted"
         # An Ollama keep_alive would unload the model, closing this test's one engine.
         case.body.pop("keep_alive", None)
     if case.path.startswith("/v1/messages"):

@@ -54,6 +54,8 @@ DIALECT_MODULES: list[str] = [
     "mlx_cairn.api.openai_responses",
     "mlx_cairn.api.openai_completions",
     "mlx_cairn.api.ollama",
+    "mlx_cairn.api.embeddings",
+    "mlx_cairn.api.ollama_embed",
 ]
 
 #: Methods a browser script may use here (OPTIONS is the preflight itself).

@@ -381,9 +381,16 @@ BODIES: dict[tuple[str, str], dict[str, Any]] = {
     ("/v1/messages/count_tokens", "post"): COUNT_TOKENS_BODY,
     ("/v1/chat/completions", "post"): CHAT_BODY,
     ("/v1/responses", "post"): RESPONSES_BODY,
+    ("/v1/embeddings", "post"): EMBEDDINGS_BODY,
+    ("/api/embed", "post"): OLLAMA_EMBED_BODY,
+    ("/api/embeddings", "post"): OLLAMA_EMBEDDINGS_BODY,
     ("/api/chat", "post"): OLLAMA_CHAT_BODY,
     ("/api/generate", "post"): OLLAMA_GENERATE_BODY,
     ("/api/show", "post"): {
+        "type": "object",
+        "required": ["model"],
+        "properties": {"model": _NAME},
+    },
 }
 
 

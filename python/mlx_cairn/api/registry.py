@@ -903,6 +903,10 @@ def _default_loader(source: str | None) -> Any:
 
 
 def _default_engine_factory(loaded: Any) -> Any:  # replaced by serve() with its flags
+    if getattr(loaded, "kind", None) == "embedding":  # models/embedding.py
+        from mlx_cairn.engine.embedding import EmbeddingEngine
+
+        return EmbeddingEngine(loaded)
     from mlx_cairn.engine import Engine
 
     return Engine(loaded)

@@ -68,6 +68,7 @@ from mlx_cairn.api.metrics import CLIENT_GONE_SCOPE_KEY, observe_event
 from mlx_cairn.api.registry import ModelLease, ServedModel
 from mlx_cairn.api.state import AppState, app_state, read_json
 from mlx_cairn.errors import CairnError, ContextLengthExceeded, error_kind
+from mlx_cairn.models.embedding import model_kind, not_a_chat_model
 from mlx_cairn.protocol.base import Codec, Framing, WireEvent, check_depth, framing_of
 from mlx_cairn.protocol.sse import json_bytes
 from mlx_cairn.types import ChatRequest, Done, Error, Event
@@ -147,6 +148,9 @@ async def serve_generation(
         req = await asyncio.to_thread(_check_and_parse, parse, body, state)
     else:
         req = _check_and_parse(parse, body, state)
+    sm = state.registry.resolve(req.model)  # ModelNotFound (404) for an unknown name
+    if model_kind(sm.loaded, sm.source) == "embedding":  # refused before it loads
+        raise not_a_chat_model(req.model)
     begin = start or _start
     if not req.stream:
         return await begin(state, dialect, req, make_codec)

@@ -239,6 +239,10 @@ def build(
     def engine_factory(loaded: Any) -> object:
         from mlx_cairn.engine import Engine
 
+        if getattr(loaded, "kind", None) == "embedding":  # models/embedding.py: no KV pool
+            from mlx_cairn.engine.embedding import EmbeddingEngine
+
+            return EmbeddingEngine(loaded, max_queue=args.max_queue)
         if args.context_length is not None:
             override_context(loaded, args.context_length)
         try:

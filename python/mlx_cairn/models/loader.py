@@ -45,6 +45,12 @@ def resolve_path(path_or_name: str | None) -> Path:
     return path
 
 
+def _is_embedding_folder(path: Path) -> bool:
+    from mlx_cairn.models.embedding import embedding_family
+
+    return embedding_family(path) is not None
+
+
 def load(
     path_or_name: str | None = None,
     *,
@@ -54,6 +60,9 @@ def load(
     reasoning: ReasoningInfo | None = None,
 ) -> LoadedModel:
     """Load a model: None (the embedded default), an HF/MLX folder, or a ``.gguf`` file.
+
+    An embedding model's folder (models/embedding.py) gives an
+    :class:`~mlx_cairn.models.embedding.EmbeddingModel` instead.
 
     ``dtype``: "auto" (fp32 on CPU with quantized weights dequantized; the
     checkpoint dtype on GPU), or "float32" / "float16" / "bfloat16".
@@ -68,6 +77,12 @@ def load(
         )
     path = resolve_path(path_or_name)
     start = time.perf_counter()
+    if path.is_dir() and _is_embedding_folder(path):
+        from mlx_cairn.models.embedding import load_embedding_model
+
+        em = load_embedding_model(path, dtype=dtype)
+        log.info("loaded embedding model %s in %.2fs", em.name, time.perf_counter() - start)
+        return em  # type: ignore[return-value]
     if path.is_dir():
         from mlx_cairn.models.hf import load_hf_folder
 
