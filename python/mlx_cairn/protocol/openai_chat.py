@@ -368,7 +368,7 @@ class ChatCodec:
             finish = _FINISH.get(ev.stop_reason, "tool_calls" if self._calls else "stop")
             # What is still held rides here; asked, but no chunk carried any: the
             # completion still gets its (empty) logprobs object, in both modes.
-            out.append(self._delta({}, finish, self._entries()))
+            out.append(self._delta({}, finish, self._entries(last=True)))
             if self.include_usage:
                 out.append(self._chunk([], usage=self._usage(ev)))
             out.append((None, "[DONE]"))
@@ -380,16 +380,17 @@ class ChatCodec:
     def _text(self, text: str, out: list[WireEvent]) -> None:
         text = self._gate.push(text) if text else ""
         if text:
-            out.append(self._delta({"content": text}, logprobs=self._entries(always=True)))
+            out.append(self._delta({"content": text}, logprobs=self._entries(text=True)))
 
-    def _entries(self, *, always: bool = False) -> list[dict[str, Any]] | None:
-        """The held logprob entries for the chunk going out. None when not asked, or
-        when none are held, unless ``always`` (a text chunk) or no chunk carried a
-        logprobs object yet (the finish chunk then carries an empty one)."""
+    def _entries(self, *, text: bool = False, last: bool = False) -> list[dict[str, Any]] | None:
+        """The held logprob entries for the chunk going out, or None (not asked; none
+        held, on a reasoning or tool-call chunk). A ``text`` chunk always carries the
+        object; the ``last`` (finish) chunk does when no chunk did, so a completion
+        always has one."""
         if not self.logprobs:
             return None
         entries = self._lp.take()
-        if not entries and self._lp_sent and not always:
+        if not (entries or text or (last and not self._lp_sent)):
             return None
         self._lp_sent = True
         return entries
