@@ -625,7 +625,7 @@ def run(args: argparse.Namespace) -> int:
             sock.close()
         raise
     for sm in registry.models:
-        if sm.loaded is not None:
+        if sm.loaded is not None and getattr(sm.loaded, "kind", None) != "embedding":
             print(claude_code_fit(sm.name, int(sm.loaded.context_length)), flush=True)
     names = ", ".join(registry.names())
     log.info(

@@ -25,10 +25,12 @@ Example::
 from __future__ import annotations
 
 import asyncio
+import atexit
 import concurrent.futures
 import logging
 import threading
 import time
+import weakref
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -50,6 +52,15 @@ DEFAULT_MAX_BATCH_ROWS = 64
 DEFAULT_FORWARD_FLOPS = 3e11
 #: Bounds on that budget (tiny models would get millions; huge ones a handful).
 MIN_BATCH_TOKENS, MAX_BATCH_TOKENS = 256, 16384
+
+_live: weakref.WeakSet[EmbeddingEngine] = weakref.WeakSet()
+
+
+@atexit.register
+def _close_all() -> None:
+    # Workers are daemons; stop them before MLX is torn down (as chat engines do).
+    for engine in list(_live):
+        engine.close(timeout=10.0)
 
 
 @dataclass(frozen=True, slots=True)
@@ -136,9 +147,9 @@ class EmbeddingEngine:
         self._lock = threading.Condition()
         self._jobs: list[_Job] = []  # arrival order; a job leaves once answered or dropped
         self._closing = False
-        self._stats = EngineStats()
         self._counts = {"total": 0, "completed": 0, "failed": 0, "cancelled": 0, "tokens": 0}
         self._thread = threading.Thread(target=self._loop, name="mlx-cairn-embed", daemon=True)
+        _live.add(self)
         self._thread.start()
 
     # ------------------------------------------------------------ any thread
