@@ -22,15 +22,24 @@ import numpy as np
 import ollama
 import openai
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 from tokenizers import Tokenizer
 
 from live_server import serve
 from mlx_cairn.api import ModelRegistry, create_app
 from mlx_cairn.engine.testing import assert_at_rest, wait_idle
+from mlx_cairn.errors import InvalidRequest
 from mlx_cairn.models import cpu_attention
 from mlx_cairn.models.export import save_folder
 from mlx_cairn.models.testing import tiny_zoo_model
 from mlx_cairn.models.testing_embed import save_tiny_embedding
+from mlx_cairn.protocol.embeddings import (
+    EmbeddingRequest,
+    parse_ollama_embed,
+    parse_ollama_embeddings,
+    parse_openai,
+)
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -217,6 +226,33 @@ def test_openai_refusals(server: dict[str, Any], body: dict[str, Any], words: st
     assert r.status_code == 400, r.text
     err = r.json()["error"]
     assert err["type"] == "invalid_request_error" and words in err["message"], err
+
+
+_JSON = st.recursive(
+    st.none() | st.booleans() | st.integers(-5, 10**6) | st.floats() | st.text(max_size=8),
+    lambda inner: (
+        st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4)
+    ),
+    max_leaves=12,
+)
+_FIELDS = ["model", "input", "prompt", "encoding_format", "dimensions", "truncate", "options"]
+
+
+@given(
+    body=_JSON | st.dictionaries(st.sampled_from(_FIELDS), _JSON, max_size=5),
+    parse=st.sampled_from([parse_openai, parse_ollama_embed, parse_ollama_embeddings]),
+)
+def test_parsers_answer_a_request_or_a_400(body: Any, parse: Any) -> None:
+    """Whatever JSON arrives: a well-formed request, or InvalidRequest (never a 500)."""
+    try:
+        req = parse(body)
+    except InvalidRequest:
+        return
+    assert isinstance(req, EmbeddingRequest) and isinstance(req.model, str) and req.model
+    assert (req.texts is None) != (req.ids is None)
+    assert all(isinstance(t, str) and t for t in req.texts or [])
+    assert all(s and all(isinstance(i, int) and i >= 0 for i in s) for s in req.ids or [])
+    assert req.dimensions is None or req.dimensions >= 1
 
 
 def test_kind_mismatch_in_each_dialects_envelope(server: dict[str, Any]) -> None:
