@@ -288,8 +288,10 @@ def test_mismatch_is_refused_before_loading(folders: dict[str, Path]) -> None:
 
 
 def test_engines_at_rest(server: dict[str, Any]) -> None:
-    """Last in this file: nothing queued or running anywhere, no KV block held."""
+    """Last in this file: nothing queued or running anywhere, no lease or KV block held
+    (the refusals above, before and after their model's lease, gave everything back)."""
     for sm in server["registry"].models:
+        assert sm.active == 0, sm.name
         if sm.engine is None:
             continue
         if getattr(sm.loaded, "kind", None) == "embedding":
