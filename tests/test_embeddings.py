@@ -202,6 +202,11 @@ def test_ollama_client_shapes(
     with pytest.raises(ollama.ResponseError) as e:
         client.embed(model="xlm_roberta", input=long, truncate=False)
     assert e.value.status_code == 400 and "48 maximum" in e.value.error
+    # The listings know a loaded embedding model (Open WebUI polls /api/tags).
+    assert "xlm_roberta" in {m.model for m in client.list().models}
+    assert "xlm_roberta" in {m.model for m in client.ps().models}
+    shown = client.show("xlm_roberta")
+    assert shown.capabilities == ["embedding"] and not shown.template
 
 
 @pytest.mark.parametrize(

@@ -280,6 +280,16 @@ def _facts(loaded: Any) -> dict[str, Any]:
     if hasattr(model, "parameters"):
         flat = tree_flatten(model.parameters())  # type: ignore[assignment]
     params = sum(int(v.size) for _, v in flat)
+    dtype = str(getattr(model, "dtype", "")).rsplit(".", 1)[-1].upper().replace("FLOAT", "F")
+    if getattr(loaded, "kind", None) == "embedding":  # no template, no generation
+        return {
+            "family": str(getattr(loaded, "model_type", "") or family or ""),
+            "parameters": params,
+            "capabilities": ["embedding"],
+            "template": "",
+            "context_length": loaded.context_length,
+            "dtype": dtype,
+        }
     caps = ["completion"]
     if loaded.parser_family is not None:
         caps.append("tools")
@@ -289,7 +299,6 @@ def _facts(loaded: Any) -> dict[str, Any]:
         caps.append("insert")
     if takes_images(loaded):
         caps.append("vision")
-    dtype = str(getattr(model, "dtype", "")).rsplit(".", 1)[-1].upper().replace("FLOAT", "F")
     return {
         "family": str(family or ""),
         "parameters": params,
