@@ -53,6 +53,7 @@ DIALECT_MODULES: list[str] = [
     "mlx_cairn.api.openai_chat",
     "mlx_cairn.api.openai_responses",
     "mlx_cairn.api.openai_completions",
+    "mlx_cairn.api.llama_infill",
     "mlx_cairn.api.ollama",
     "mlx_cairn.api.embeddings",
     "mlx_cairn.api.ollama_embed",

@@ -211,6 +211,56 @@ CHAT_BODY: dict[str, Any] = {
         },
     },
 }
+_PROMPT_IDS = {"type": "array", "minItems": 1, "items": {"type": "integer", "minimum": 0}}
+COMPLETIONS_BODY: dict[str, Any] = {
+    "type": "object",
+    "required": ["model", "prompt"],
+    "properties": {
+        "model": _NAME,
+        "prompt": {
+            "anyOf": [
+                _NAME,
+                {"type": "array", "minItems": 1, "items": _NAME},
+                _PROMPT_IDS,
+                {"type": "array", "minItems": 1, "items": _PROMPT_IDS},
+            ]
+        },
+        "suffix": _STR,
+        "max_tokens": {"type": "integer", "minimum": 1},
+        "temperature": {"type": "number", "minimum": 0, "maximum": 2},
+        "top_p": _TOP_P,
+        "top_k": {"type": "integer", "minimum": 0},
+        "n": {"type": "integer", "minimum": 1, "maximum": 64},
+        "stop": {"anyOf": [_NAME, {"type": "array", "items": _NAME}]},
+        "seed": _INT,
+        "logprobs": {"type": "integer", "minimum": 0, "maximum": 20},
+        "echo": _BOOL,
+        "stream": _BOOL,
+        "stream_options": {"type": "object", "properties": {"include_usage": _BOOL}},
+        **_SAMPLING_EXTRAS,
+    },
+}
+INFILL_BODY: dict[str, Any] = {
+    "type": "object",
+    "properties": {
+        "model": _NAME,
+        "input_prefix": _STR,
+        "input_suffix": _STR,
+        "prompt": _STR,
+        "input_extra": {
+            "type": "array",
+            "items": {"type": "object", "properties": {"filename": _STR, "text": _STR}},
+        },
+        "n_predict": {"type": "integer", "minimum": 1},
+        "temperature": {"type": "number", "minimum": 0},
+        "top_k": {"type": "integer", "minimum": 0},
+        "top_p": {"type": "number", "minimum": 0, "maximum": 1},
+        "min_p": {"type": "number", "minimum": 0, "maximum": 1},
+        "seed": _INT,
+        "stop": {"type": "array", "items": _NAME},
+        "stream": _BOOL,
+    },
+}
 RESPONSES_BODY: dict[str, Any] = {
     "type": "object",
     "required": ["model", "input"],
@@ -380,6 +430,8 @@ BODIES: dict[tuple[str, str], dict[str, Any]] = {
     ("/v1/messages", "post"): MESSAGES_BODY,
     ("/v1/messages/count_tokens", "post"): COUNT_TOKENS_BODY,
     ("/v1/chat/completions", "post"): CHAT_BODY,
+    ("/v1/completions", "post"): COMPLETIONS_BODY,
+    ("/infill", "post"): INFILL_BODY,
     ("/v1/responses", "post"): RESPONSES_BODY,
     ("/v1/embeddings", "post"): EMBEDDINGS_BODY,
     ("/api/embed", "post"): OLLAMA_EMBED_BODY,
