@@ -139,8 +139,8 @@ def test_fim_greedy_equals_mlx_lm_on_the_hand_built_prompt(coder: Any, make: Any
 
 
 def test_end_of_middle_token_ends_a_fim_request_only(coder: Any, make: Any) -> None:
-    """<|fim_pad|> and the file separator end a middle (not shown); a plain
-    completion has no such stop."""
+    """<|fim_pad|> and the file separator end a middle (not shown), whoever built
+    the FIM prompt; a plain completion has no such stop."""
     engine = make()
     tok = coder.tokenizer
     pad = tok.token_to_id("<|fim_pad|>")
@@ -152,6 +152,12 @@ def test_end_of_middle_token_ends_a_fim_request_only(coder: Any, make: Any) -> N
     assert stream.output_ids == [pad]
     assert isinstance(events[-1], Done) and events[-1].stop_reason == "end_turn"
     assert not [e for e in events if isinstance(e, TextDelta)]
+    # A FIM prompt the client built itself (Continue, Zed) ends there too.
+    own = "<|fim_prefix|>x<|fim_suffix|>y<|fim_middle|>"
+    by_client = ChatRequest(messages=[], raw=RawPrompt(text=own), max_tokens=5, sampling=bias)
+    stream = engine.submit(engine.prepare(by_client))
+    list(stream.iter_sync(timeout=60))
+    assert stream.output_ids == [pad]
     plain = ChatRequest(messages=[], raw=RawPrompt(text="x"), max_tokens=5, sampling=bias)
     stream = engine.submit(engine.prepare(plain))
     events = list(stream.iter_sync(timeout=60))

@@ -118,6 +118,16 @@ def fim_stop_ids(tokenizer: Tokenizer) -> set[int]:
     return {i for i in ids if i is not None}
 
 
+def is_fim_prompt(tokenizer: Tokenizer, ids: Sequence[int]) -> bool:
+    """Whether ``ids`` hold the model's FIM prefix and suffix tokens (a FIM prompt
+    built by the client, which sends it as a plain completion prompt)."""
+    fam = fim_family(tokenizer)
+    if fam is None:
+        return False
+    marks = {tokenizer.token_to_id(fam.prefix), tokenizer.token_to_id(fam.suffix)}
+    return marks <= set(ids)
+
+
 def _id(tokenizer: Tokenizer, token: str) -> int:
     tid = tokenizer.token_to_id(token)
     assert tid is not None, token  # fim_family checked it

@@ -17,7 +17,7 @@ from typing import Any
 import orjson
 
 from mlx_cairn import heavy
-from mlx_cairn.chat.fim import fim_stop_ids
+from mlx_cairn.chat.fim import fim_stop_ids, is_fim_prompt
 from mlx_cairn.chat.prompt import build_raw_prompt, template_kwargs
 from mlx_cairn.engine.prompt_bound import vocab_bound
 from mlx_cairn.engine.sequence import PreparedRequest
@@ -294,13 +294,18 @@ def prepare(
         reasoning_tags=tags,
         grammar=grammar,
         grammar_after=after,
-        stop_token_ids=_fim_stop_ids(loaded, request),
+        stop_token_ids=_fim_stop_ids(loaded, request, prompt.ids),
     )
 
 
-def _fim_stop_ids(loaded: Any, request: ChatRequest) -> frozenset[int]:
-    """A fill-in-the-middle request also ends at the model's end-of-middle tokens."""
-    if request.raw is None or request.raw.suffix is None:
+def _fim_stop_ids(loaded: Any, request: ChatRequest, ids: list[int]) -> frozenset[int]:
+    """A fill-in-the-middle request also ends at the model's end-of-middle tokens:
+    one with a suffix, and a raw prompt the client built with the FIM tokens
+    itself (Continue, Zed and Twinny send ``<|fim_prefix|>...`` as the prompt)."""
+    raw = request.raw
+    if raw is None:
+        return frozenset()
+    if raw.suffix is None and not is_fim_prompt(loaded.tokenizer, ids):
         return frozenset()
     return frozenset(fim_stop_ids(loaded.tokenizer))
 
