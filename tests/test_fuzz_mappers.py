@@ -41,6 +41,16 @@ MAPPERS: list[tuple[str, str, dict[str, Any]]] = [
     ("mlx_cairn.protocol.openai_chat", "parse_chat_request", {"max_tokens_limit": LIMIT}),
     ("mlx_cairn.protocol.ollama", "parse_chat_request", {"max_tokens_limit": LIMIT}),
     (
+        "mlx_cairn.protocol.openai_completions",
+        "parse_completion_request",
+        {"max_tokens_limit": LIMIT},
+    ),
+    (
+        "mlx_cairn.protocol.llama_infill",
+        "parse_infill_request",
+        {"max_tokens_limit": LIMIT, "default_model": "tiny"},
+    ),
+    (
         "mlx_cairn.protocol.openai_responses",
         "parse_responses_request",
         {"max_tokens_limit": LIMIT, "lookup": lambda rid: stored_history(rid)},
@@ -178,6 +188,14 @@ TOP_FIELDS = [
     "format",
     "think",
     "keep_alive",
+    "prompt",
+    "suffix",
+    "echo",
+    "best_of",
+    "input_prefix",
+    "input_suffix",
+    "input_extra",
+    "n_predict",
 ]
 
 
@@ -241,6 +259,18 @@ plausible: dict[str, st.SearchStrategy[Any]] = {
     "top_p": st.floats(min_value=-1, max_value=2),
     "top_k": st.integers(min_value=-3, max_value=100),
     "stream": st.booleans(),
+    "prompt": st.text(max_size=30)
+    | st.lists(st.text(max_size=10), max_size=3)
+    | st.lists(st.integers(min_value=-1, max_value=500), max_size=6)
+    | st.lists(st.lists(st.integers(min_value=0, max_value=500), max_size=4), max_size=3),
+    "suffix": st.text(max_size=20),
+    "input_prefix": st.text(max_size=30),
+    "input_suffix": st.text(max_size=20),
+    "input_extra": st.lists(
+        st.fixed_dictionaries({}, optional={"filename": json_values, "text": json_values}),
+        max_size=2,
+    ),
+    "n_predict": st.integers(min_value=-2, max_value=2 * LIMIT),
     "thinking": st.fixed_dictionaries(
         {"type": st.sampled_from(["enabled", "disabled", "adaptive", "x"])},
         optional={"budget_tokens": st.integers(min_value=-2, max_value=10_000)},
@@ -280,7 +310,13 @@ def lm():
 
 def check_request(chat: ChatRequest) -> None:
     """The mapper's promises on an accepted request."""
-    assert isinstance(chat.messages, list) and chat.messages
+    # A raw prompt (legacy completions, FIM) has no messages: its text or ids are the prompt.
+    assert isinstance(chat.messages, list) and bool(chat.messages) != (chat.raw is not None)
+    if chat.raw is not None:
+        assert isinstance(chat.raw.text, str)
+        assert chat.raw.suffix is None or isinstance(chat.raw.suffix, str)
+        assert all(isinstance(v, str) for c in chat.raw.extra for v in c.values())
+        assert chat.raw.ids is None or all(isinstance(t, int) and t >= 0 for t in chat.raw.ids)
     for m in chat.messages:
         assert isinstance(m, Message)
         assert m.role in ("system", "user", "assistant", "tool"), m.role
