@@ -9,6 +9,7 @@ the engines at rest; an extended prompt reads the last one from the cache.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from typing import Any
 
@@ -17,7 +18,7 @@ import openai
 import pytest
 
 from fim_fixtures import fim_model, mlx_lm_generate
-from live_server import registry_for, serve
+from live_server import registry_for, serve, wait_until
 from mlx_cairn.api import ServerConfig
 from mlx_cairn.chat.fim import fim_stop_ids
 from mlx_cairn.engine import Engine
@@ -33,10 +34,11 @@ def env() -> Iterator[dict[str, Any]]:
         "coder": Engine(fim_model("qwen"), num_blocks=256, block_size=8),
         "chat": Engine(fim_model(None), num_blocks=64, block_size=8),
     }
-    with serve(registry_for(engines), ServerConfig(ping_interval=0.05)) as srv:
+    registry = registry_for(engines)
+    with serve(registry, ServerConfig(ping_interval=0.05)) as srv:
         client = openai.OpenAI(base_url=srv.url + "/v1", api_key="x", max_retries=0, timeout=60)
         try:
-            yield {"url": srv.url, "client": client, "engines": engines}
+            yield {"url": srv.url, "client": client, "engines": engines, "registry": registry}
         finally:
             client.close()
     for e in engines.values():
@@ -176,3 +178,32 @@ def test_prompt_lists_n_logprobs_and_echo(env: dict[str, Any]) -> None:
     assert echoed.choices[0].text == "Hello" + plain.choices[0].text
     for e in env["engines"].values():
         assert_at_rest(e)
+    # Every choice's lease on the model was given back (it may be unloaded again).
+    wait_until(lambda: all(sm.active == 0 for sm in env["registry"].models), "a lease was kept")
+
+
+def test_a_client_that_leaves_cancels_every_choice(env: dict[str, Any]) -> None:
+    engine = env["engines"]["coder"]
+    before = engine.stats().requests_cancelled
+    eos = {str(t): -100 for t in engine.loaded.eos_token_ids}
+    body = {"model": "coder", "prompt": ["a", "b"], "n": 2, "max_tokens": 1500,
+            "temperature": 0, "logit_bias": eos, "stream": True}  # fmt: skip
+    with httpx.stream("POST", env["url"] + "/v1/completions", json=body, timeout=60) as r:
+        seen = {json.loads(line[5:])["choices"][0]["index"] for line in _first(r, 20)}
+    assert seen  # it was streaming; the client is gone now
+    wait_until(
+        lambda: engine.stats().requests_cancelled >= before + 4, "the choices were not cancelled"
+    )
+    assert_at_rest(engine)
+    wait_until(lambda: all(sm.active == 0 for sm in env["registry"].models), "a lease was kept")
+
+
+def _first(r: httpx.Response, n: int) -> list[str]:
+    """The first ``n`` data lines of a streamed answer (then the caller closes it)."""
+    out: list[str] = []
+    for line in r.iter_lines():
+        if line.startswith("data:") and line != "data: [DONE]":
+            out.append(line)
+            if len(out) == n:
+                break
+    return out
