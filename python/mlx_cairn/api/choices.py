@@ -20,7 +20,6 @@ other choices are cancelled.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 from collections.abc import Sequence
 from typing import Any
 
@@ -101,7 +100,7 @@ async def _first_batches(streams: dict[int, Any]) -> dict[int, list[Event]]:
     finally:
         for t in tasks.values():
             t.cancel()
-        for t in tasks.values():
-            with contextlib.suppress(asyncio.CancelledError):
-                await t
+        # Let the cancelled waits clean up; asyncio.wait (unlike awaiting them) does
+        # not swallow a cancellation of this coroutine itself.
+        await asyncio.wait(tasks.values())
     return {i: t.result() for i, t in tasks.items() if not t.cancelled()}

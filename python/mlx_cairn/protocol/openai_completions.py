@@ -296,7 +296,9 @@ class CompletionCodec:
             lp["tokens"].append(ev.token)
             lp["token_logprobs"].append(wire_logprob(ev.logprob))
             top = {t.token: wire_logprob(t.logprob) for t in ev.top}
-            top.setdefault(ev.token, wire_logprob(ev.logprob))  # the sampled token, always
+            # The sampled token, always; keyed by text, it wins over an alternative
+            # that decodes the same (two byte-fallback pieces are both U+FFFD).
+            top[ev.token] = wire_logprob(ev.logprob)
             lp["top_logprobs"].append(top)
             lp["text_offset"].append(c.offset)
             c.offset += len(ev.token)
