@@ -61,7 +61,7 @@ def live(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
 
 def _document() -> dict[str, Any]:
     """The OpenAPI document ``create_app`` builds (the live server's is checked equal below)."""
-    return create_app(ModelRegistry(["scripted"]), CONFIG).openapi()
+    return create_app(ModelRegistry(["scripted", "embed"]), CONFIG).openapi()
 
 
 DOCUMENT = _document()
