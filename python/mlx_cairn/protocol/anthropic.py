@@ -41,6 +41,7 @@ import orjson
 from mlx_cairn.errors import InvalidRequest
 from mlx_cairn.protocol.base import (
     MEDIA_PLACEHOLDER,
+    each_object,
     fail,
     is_int,
     required_model,
@@ -385,15 +386,8 @@ def _map_tool_result(block: dict[str, Any], bp: str, tool_names: dict[str, str])
 
 
 def _map_tools(raw: Any) -> list[Tool]:
-    if raw is None:
-        return []
-    if not isinstance(raw, list):
-        raise fail("tools", "must be a list")
     tools: list[Tool] = []
-    for i, t in enumerate(raw):
-        param = f"tools[{i}]"
-        if not isinstance(t, dict):
-            raise fail(param, "must be an object")
+    for param, t in each_object(raw, "tools"):
         kind = t.get("type")
         if kind not in (None, "custom") and "input_schema" not in t:
             continue  # a server-side tool (web search, ...): nothing a local model can run

@@ -22,7 +22,7 @@ from __future__ import annotations
 import math
 import secrets
 import string
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -149,6 +149,23 @@ MEDIA_PLACEHOLDER = "[{kind} omitted: this model reads text only]"
 def fail(param: str, message: str) -> InvalidRequest:
     """A 400 naming ``param``."""
     return InvalidRequest(f"{param}: {message}", param=param)
+
+
+def each_object(raw: Any, field: str) -> Iterator[tuple[str, dict[str, Any]]]:
+    """The items of ``raw`` (a list of objects, or None for none) with their param names.
+
+    Example: ``for param, t in each_object(body.get("tools"), "tools")`` yields
+    ``("tools[0]", {...})``...; a non-list or a non-object item is a 400 naming it.
+    """
+    if raw is None:
+        return
+    if not isinstance(raw, list):
+        raise fail(field, "must be a list")
+    for i, item in enumerate(raw):
+        param = f"{field}[{i}]"
+        if not isinstance(item, dict):
+            raise fail(param, "must be an object")
+        yield param, item
 
 
 def is_int(v: Any) -> bool:

@@ -55,7 +55,7 @@ from typing import Any, Literal
 import orjson
 
 from mlx_cairn.errors import InvalidRequest
-from mlx_cairn.protocol.base import fail, is_int, is_num, required_model, short
+from mlx_cairn.protocol.base import each_object, fail, is_int, is_num, required_model, short
 from mlx_cairn.protocol.openai_common import function_tool, stop_list
 from mlx_cairn.protocol.sampling import read_sampling, top_logprobs
 from mlx_cairn.types import (
@@ -470,15 +470,8 @@ def _map_tool_result(m: dict[str, Any], text: str, param: str, pending: list[Too
 
 
 def _map_tools(raw: Any) -> list[Tool]:
-    if raw is None:
-        return []
-    if not isinstance(raw, list):
-        raise fail("tools", "must be a list")
     tools: list[Tool] = []
-    for i, t in enumerate(raw):
-        param = f"tools[{i}]"
-        if not isinstance(t, dict):
-            raise fail(param, "must be an object")
+    for param, t in each_object(raw, "tools"):
         if t.get("type", "function") != "function":
             continue
         fn = t.get("function")

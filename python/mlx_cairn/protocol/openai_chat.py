@@ -55,6 +55,7 @@ from typing import Any
 from mlx_cairn.errors import InvalidRequest, error_kind
 from mlx_cairn.protocol.base import (
     WireEvent,
+    each_object,
     required_model,
     speculative_usage,
     timings_body,
@@ -240,15 +241,8 @@ def _map_assistant(m: dict[str, Any], param: str) -> Message:
 
 
 def _map_tools(raw: Any) -> list[Tool]:
-    if raw is None:
-        return []
-    if not isinstance(raw, list):
-        raise fail("tools", "must be a list")
     tools: list[Tool] = []
-    for i, t in enumerate(raw):
-        param = f"tools[{i}]"
-        if not isinstance(t, dict):
-            raise fail(param, "must be an object")
+    for param, t in each_object(raw, "tools"):
         if t.get("type") != "function":
             continue  # custom / server-side tools: nothing a local model can run
         fn = t.get("function")
