@@ -63,6 +63,7 @@ from mlx_cairn.protocol.base import (
 )
 from mlx_cairn.protocol.openai_common import (
     CallIds,
+    ChunkWire,
     LogprobHold,
     TextGate,
     chat_request,
@@ -80,7 +81,6 @@ from mlx_cairn.protocol.openai_common import (
     tool_choice,
 )
 from mlx_cairn.protocol.sampling import read_sampling, top_logprobs
-from mlx_cairn.protocol.sse import comment
 from mlx_cairn.types import (
     ChatRequest,
     Done,
@@ -265,8 +265,10 @@ def _map_tools(raw: Any) -> list[Tool]:
 _FINISH = {"max_tokens": "length"}
 
 
-class ChatCodec:
+class ChatCodec(ChunkWire):
     """Encodes one request's Events as ``chat.completion.chunk`` objects (see module doc)."""
+
+    OBJECT = "chat.completion.chunk"
 
     def __init__(
         self,
@@ -297,22 +299,6 @@ class ChatCodec:
     def open(self) -> list[WireEvent]:
         """Nothing: the role rides on the first delta."""
         return []
-
-    def ping(self) -> bytes:
-        """An SSE comment (clients ignore it)."""
-        return comment("ping")
-
-    def _chunk(self, choices: list[dict[str, Any]], **extra: Any) -> WireEvent:
-        body: dict[str, Any] = {
-            "id": self.id,
-            "object": "chat.completion.chunk",
-            "created": self.created,
-            "model": self.model,
-            "system_fingerprint": None,
-            "choices": choices,
-        }
-        body.update(extra)
-        return (None, body)
 
     def _delta(
         self,

@@ -26,12 +26,14 @@ import orjson
 from mlx_cairn.errors import error_kind
 from mlx_cairn.protocol.base import (
     MEDIA_PLACEHOLDER,
+    WireEvent,
     fail,
     is_int,
     new_id,
     short,
     speculative_switch,
 )
+from mlx_cairn.protocol.sse import comment
 from mlx_cairn.types import (
     MAX_STOP_SEQUENCE_CHARS,
     MAX_STOP_SEQUENCES,
@@ -394,6 +396,32 @@ def logprob_entry(ev: TokenLogprob) -> dict[str, Any]:
             for t in top
         ],
     }
+
+
+class ChunkWire:
+    """What the OpenAI chunk codecs (Chat, legacy Completions) share: the chunk
+    envelope with their ``OBJECT`` name, and the keep-alive ping."""
+
+    OBJECT = ""
+    id: str
+    created: int
+    model: str
+
+    def ping(self) -> bytes:
+        """An SSE comment (clients ignore it)."""
+        return comment("ping")
+
+    def _chunk(self, choices: list[dict[str, Any]], **extra: Any) -> WireEvent:
+        body: dict[str, Any] = {
+            "id": self.id,
+            "object": self.OBJECT,
+            "created": self.created,
+            "model": self.model,
+            "system_fingerprint": None,
+            "choices": choices,
+        }
+        body.update(extra)
+        return (None, body)
 
 
 class LogprobHold:

@@ -56,6 +56,7 @@ from mlx_cairn.protocol.base import (
     tool_call_as_text,
 )
 from mlx_cairn.protocol.openai_common import (
+    ChunkWire,
     cache_salt,
     error_body,
     fail,
@@ -66,7 +67,6 @@ from mlx_cairn.protocol.openai_common import (
     wire_logprob,
 )
 from mlx_cairn.protocol.sampling import integer, read_sampling
-from mlx_cairn.protocol.sse import comment
 from mlx_cairn.types import (
     MAX_TOP_LOGPROBS,
     ChatRequest,
@@ -225,12 +225,14 @@ class _Choice:
         self.held: list[TokenLogprob] = []
 
 
-class CompletionCodec:
+class CompletionCodec(ChunkWire):
     """Encodes the Events of every choice as ``text_completion`` chunks (see module doc).
 
     Fed :class:`ChoiceEvent` for each choice's events, then one final
     :class:`~mlx_cairn.types.Done` (usage over all choices) or an Error.
     """
+
+    OBJECT = "text_completion"
 
     def __init__(
         self,
@@ -260,22 +262,6 @@ class CompletionCodec:
         return [
             self._chunk([self._entry(i, text, None)]) for i, text in enumerate(self._echo) if text
         ]
-
-    def ping(self) -> bytes:
-        """An SSE comment (clients ignore it)."""
-        return comment("ping")
-
-    def _chunk(self, choices: list[dict[str, Any]], **extra: Any) -> WireEvent:
-        body: dict[str, Any] = {
-            "id": self.id,
-            "object": "text_completion",
-            "created": self.created,
-            "model": self.model,
-            "system_fingerprint": None,
-            "choices": choices,
-        }
-        body.update(extra)
-        return (None, body)
 
     def _entry(self, i: int, text: str, finish: str | None) -> dict[str, Any]:
         return {"text": text, "index": i, "logprobs": self._take(i), "finish_reason": finish}
