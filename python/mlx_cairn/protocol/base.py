@@ -168,6 +168,16 @@ def each_object(raw: Any, field: str) -> Iterator[tuple[str, dict[str, Any]]]:
         yield param, item
 
 
+def opt_bool(body: dict[str, Any], key: str, default: bool) -> bool:
+    """``body[key]`` when it is a boolean, ``default`` when absent; a 400 otherwise."""
+    v = body.get(key)
+    if v is None:
+        return default
+    if not isinstance(v, bool):
+        raise fail(key, "must be a boolean")
+    return v
+
+
 def is_int(v: Any) -> bool:
     """An int that is not a bool."""
     return isinstance(v, int) and not isinstance(v, bool)

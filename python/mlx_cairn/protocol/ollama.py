@@ -55,7 +55,15 @@ from typing import Any, Literal
 import orjson
 
 from mlx_cairn.errors import InvalidRequest
-from mlx_cairn.protocol.base import each_object, fail, is_int, is_num, required_model, short
+from mlx_cairn.protocol.base import (
+    each_object,
+    fail,
+    is_int,
+    is_num,
+    opt_bool,
+    required_model,
+    short,
+)
 from mlx_cairn.protocol.openai_common import function_tool, stop_list
 from mlx_cairn.protocol.sampling import read_sampling, top_logprobs
 from mlx_cairn.types import (
@@ -140,7 +148,7 @@ def load_request(body: Any, shape: Shape) -> LoadRequest | None:
     return LoadRequest(
         model=required_model(body),
         keep_alive=keep_alive(body.get("keep_alive")),
-        stream=_opt_bool(body, "stream", True),
+        stream=opt_bool(body, "stream", True),
         shape=shape,
     )
 
@@ -178,7 +186,7 @@ def parse_generate_request(body: Any, *, max_tokens_limit: int) -> OllamaRequest
             "not supported: this server renders prompts with the model's own chat "
             "template; send raw=true with the whole prompt instead",
         )
-    raw = _opt_bool(body, "raw", False)
+    raw = opt_bool(body, "raw", False)
     context = body.get("context")
     if context is not None and not (isinstance(context, list) and all(map(is_int, context))):
         raise fail("context", "must be a list of token ids")
@@ -210,7 +218,7 @@ def _common(
     """What ``/api/chat`` and ``/api/generate`` share: options, format, think, stream."""
     opts = _options(body.get("options"), limit)
     sampling = opts.sampling
-    sampling.logprobs = _opt_bool(body, "logprobs", False)
+    sampling.logprobs = opt_bool(body, "logprobs", False)
     k = top_logprobs(body)
     if k and not sampling.logprobs:
         raise fail("top_logprobs", "is only allowed when logprobs is true")
@@ -230,7 +238,7 @@ def _common(
         chat,
         model,
         shape=shape,
-        stream=_opt_bool(body, "stream", True),
+        stream=opt_bool(body, "stream", True),
         open_ended=opts.max_tokens is None,
         keep_alive=keep_alive(body.get("keep_alive")),
         context_limit=opts.num_ctx,
@@ -241,15 +249,6 @@ def _object(body: Any) -> dict[str, Any]:
     if not isinstance(body, dict):
         raise InvalidRequest("request body must be a JSON object")
     return body
-
-
-def _opt_bool(body: dict[str, Any], key: str, default: bool) -> bool:
-    v = body.get(key)
-    if v is None:
-        return default
-    if not isinstance(v, bool):
-        raise fail(key, "must be a boolean")
-    return v
 
 
 def _opt_str(body: dict[str, Any], key: str, param: str | None = None) -> str:

@@ -78,6 +78,7 @@ from mlx_cairn.protocol.openai_common import (
     opt_max_tokens,
     output_format,
     short,
+    stream_flags,
     tool_choice,
 )
 from mlx_cairn.protocol.sampling import read_sampling, top_logprobs
@@ -145,15 +146,7 @@ def parse_chat_request(body: Any, *, max_tokens_limit: int) -> OpenAIChatRequest
     if choice is not None and not tools and choice != "none":
         raise fail("tool_choice", "is only allowed when tools are given")
 
-    stream = opt_bool(body, "stream", False)
-    include_usage = False
-    opts = body.get("stream_options")
-    if opts is not None:
-        if not stream:
-            raise fail("stream_options", "is only allowed when stream is true")
-        if not isinstance(opts, dict):
-            raise fail("stream_options", "must be an object")
-        include_usage = opt_bool(opts, "include_usage", False)
+    stream, include_usage = stream_flags(body)
 
     chat = chat_request(
         body,

@@ -30,6 +30,7 @@ from mlx_cairn.protocol.base import (
     fail,
     is_int,
     new_id,
+    opt_bool,
     short,
     speculative_switch,
 )
@@ -88,13 +89,17 @@ def models_body(models: list[Any]) -> dict[str, Any]:
 # ---------------------------------------------------------------- validation
 
 
-def opt_bool(body: dict[str, Any], key: str, default: bool) -> bool:
-    v = body.get(key)
-    if v is None:
-        return default
-    if not isinstance(v, bool):
-        raise fail(key, "must be a boolean")
-    return v
+def stream_flags(body: dict[str, Any]) -> tuple[bool, bool]:
+    """``stream`` and ``stream_options.include_usage`` (the options only with a stream)."""
+    stream = opt_bool(body, "stream", False)
+    opts = body.get("stream_options")
+    if opts is None:
+        return stream, False
+    if not stream:
+        raise fail("stream_options", "is only allowed when stream is true")
+    if not isinstance(opts, dict):
+        raise fail("stream_options", "must be an object")
+    return stream, opt_bool(opts, "include_usage", False)
 
 
 def opt_max_tokens(body: dict[str, Any], key: str, limit: int) -> int | None:

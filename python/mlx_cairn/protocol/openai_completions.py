@@ -64,6 +64,7 @@ from mlx_cairn.protocol.openai_common import (
     opt_bool,
     opt_max_tokens,
     stop_list,
+    stream_flags,
     wire_logprob,
 )
 from mlx_cairn.protocol.sampling import integer, read_sampling
@@ -140,15 +141,7 @@ def parse_completion_request(body: Any, *, max_tokens_limit: int) -> OpenAICompl
     if echo and k is not None:
         raise fail("echo", "cannot be combined with logprobs (prompt logprobs are not computed)")
 
-    stream = opt_bool(body, "stream", False)
-    include_usage = False
-    opts = body.get("stream_options")
-    if opts is not None:
-        if not stream:
-            raise fail("stream_options", "is only allowed when stream is true")
-        if not isinstance(opts, dict):
-            raise fail("stream_options", "must be an object")
-        include_usage = opt_bool(opts, "include_usage", False)
+    stream, include_usage = stream_flags(body)
 
     stop, salt, spec = stop_list(body.get("stop")), cache_salt(body), speculative_switch(body)
     prompts = [
