@@ -18,6 +18,7 @@ the stream ends with an OpenAI ``usage`` chunk or an Anthropic
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import re
 import time
@@ -37,8 +38,15 @@ class StreamResult:
     t_end: float = 0.0
     deltas: int = 0
     usage_tokens: int | None = None
+    #: From an OpenAI ``usage`` chunk: prompt tokens and those read from cache.
+    prompt_tokens: int | None = None
+    cached_tokens: int | None = None
     arrivals: list[float] = field(default_factory=list)
     error: str | None = None
+    #: With ``keep_text``, the OpenAI chat content deltas in order (an agent
+    #: benchmark sends the answer back in the next turn).
+    keep_text: bool = False
+    text: list[str] = field(default_factory=list)
 
     @property
     def tokens(self) -> int:
@@ -61,9 +69,10 @@ async def stream_request(
     body: dict[str, Any],
     headers: dict[str, str] | None = None,
     timeout: float = 600.0,
+    keep_text: bool = False,
 ) -> StreamResult:
     """POST ``body`` and read the SSE answer to its end (see the module doc)."""
-    res = StreamResult(t_start=time.perf_counter())
+    res = StreamResult(t_start=time.perf_counter(), keep_text=keep_text)
     payload = json.dumps(body).encode()
     head = [
         f"POST {path} HTTP/1.1",
@@ -123,6 +132,9 @@ def _on_data(line: bytes, now: float, res: StreamResult) -> None:
     if _TEXT.search(line):
         res.deltas += 1
         res.arrivals.append(now)
+        if res.keep_text:
+            with contextlib.suppress(ValueError, KeyError, IndexError, TypeError):
+                res.text.append(json.loads(line[5:])["choices"][0]["delta"]["content"] or "")
         if res.t_first is None:
             res.t_first = now
     elif b'"usage"' in line and (b"completion_tokens" in line or b"output_tokens" in line):
@@ -134,6 +146,9 @@ def _on_data(line: bytes, now: float, res: StreamResult) -> None:
         n = usage.get("completion_tokens", usage.get("output_tokens"))
         if isinstance(n, int) and n > 0:
             res.usage_tokens = n
+        if isinstance(usage.get("prompt_tokens"), int):
+            res.prompt_tokens = usage["prompt_tokens"]
+            res.cached_tokens = (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
 
 
 def pct(xs: list[float], q: float) -> float:
