@@ -42,6 +42,8 @@ from mlx_cairn.engine.disk import DiskTier, stable_seed
 from mlx_cairn.engine.draft import DraftModel, same_vocabulary
 from mlx_cairn.engine.logits import masks_for
 from mlx_cairn.engine.paged import KVPools, LayerSpec, pool_blocks
+from mlx_cairn.engine.paged_quant import DEFAULT_KV_GROUP_SIZE, check_kv_quant
+from mlx_cairn.engine.paged_quant import block_bytes as quant_block_bytes
 from mlx_cairn.engine.runner import (
     ModelRunner,
     SampledStep,
@@ -152,6 +154,13 @@ class Engine:
             for one more after the last), so that a burst is prefilled in one
             step rather than its first request alone. Only engines that have
             had an announcement wait.
+        kv_bits: 8 or 4 to store K and V quantized along the head dimension
+            (engine/paged_quant.py, as mlx-lm's ``QuantizedKVCache``); the
+            budget then holds ~2x / ~3.5x the tokens. None: full precision.
+            Recurrent state and a draft model's pools stay full precision; the
+            disk tier is refused with it (not supported yet).
+        kv_group_size: values per scale/bias group (32, 64 or 128; must divide
+            every layer's head dimension).
     """
 
     def __init__(
@@ -174,6 +183,8 @@ class Engine:
         draft_model: Any = None,
         apply_first: bool | None = None,
         gather_s: float = DEFAULT_GATHER_S,
+        kv_bits: int | None = None,
+        kv_group_size: int = DEFAULT_KV_GROUP_SIZE,
     ) -> None:
         for name, val in (
             ("block_size", block_size),
@@ -206,7 +217,15 @@ class Engine:
         if kv_dtype is None:
             kv_dtype = mx.float32 if mx.default_device() == mx.cpu else model.dtype
         layer_specs = _layer_specs(model)
-        per_block = KVPools.block_bytes(layer_specs, block_size, kv_dtype.size)
+        check_kv_quant(kv_bits, kv_group_size, layer_specs)
+        if kv_bits is not None and kv_disk_dir is not None:
+            raise ValueError("kv_bits: the disk tier does not hold quantized blocks yet")
+        if kv_bits is None:
+            per_block = KVPools.block_bytes(layer_specs, block_size, kv_dtype.size)
+        else:
+            per_block = quant_block_bytes(
+                layer_specs, block_size, kv_bits, kv_group_size, kv_dtype.size
+            )
         slot_bytes = KVPools.slot_bytes(layer_specs)
         if max_batch is None:
             # Recurrent state takes slots per admitted sequence: hybrids batch fewer.
@@ -262,6 +281,15 @@ class Engine:
             block_size=block_size,
             dtype=kv_dtype,
             num_slots=states.num_slots if states is not None else 0,
+            kv_bits=kv_bits,
+            kv_group_size=kv_group_size,
+        )
+        log.info(
+            "KV pool: %d blocks of %d tokens (%d tokens), %s",
+            num_blocks,
+            block_size,
+            (num_blocks - 1) * block_size,
+            "full precision" if kv_bits is None else f"{kv_bits}-bit, groups of {kv_group_size}",
         )
         self._pool = BlockPool(num_blocks=num_blocks, block_size=block_size)
         self._disk: DiskTier | None = None

@@ -37,6 +37,13 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 
+from mlx_cairn.engine.paged_quant import (
+    DEFAULT_KV_GROUP_SIZE,
+    check_kv_quant,
+    flat_pools,
+    quant_pool,
+    write_and_gather_quant,
+)
 from mlx_cairn.models.base import LayerSpec
 
 #: Fraction of available memory the default pool may take.
@@ -145,6 +152,8 @@ class KVPools:
         num_kv_heads: int | None = None,
         head_dim: int | None = None,
         num_slots: int = 0,
+        kv_bits: int | None = None,
+        kv_group_size: int = DEFAULT_KV_GROUP_SIZE,
     ) -> None:
         if num_blocks < 2:
             raise ValueError(
@@ -162,6 +171,11 @@ class KVPools:
         self.block_size = block_size
         self.dtype = dtype
         self.num_slots = num_slots if any(s.state for s in self.layers) else 0
+        # Quantized pools (engine/paged_quant.py): each k[i] / v[i] is a
+        # (packed, scales, biases) triple instead of one array.
+        check_kv_quant(kv_bits, kv_group_size, self.layers)
+        self.kv_bits = kv_bits
+        self.kv_group_size = kv_group_size
         #: The rows of the last decode call, contiguous (see :meth:`mirror_for`).
         self.mirror: DecodeMirror | None = None
         self.mirror_min_positions = MIRROR_MIN_POSITIONS
@@ -176,11 +190,17 @@ class KVPools:
         n, bs = self.num_blocks, self.block_size
         self.mirror = None
 
-        def kv(s: LayerSpec, d: int) -> mx.array | None:
-            return mx.zeros((s.kv_heads, n, bs, d), dtype=self.dtype) if s.has_kv else None
+        def kv(s: LayerSpec, d: int) -> Any:
+            if not s.has_kv:
+                return None
+            if self.kv_bits is not None:
+                return quant_pool(
+                    s.kv_heads, n, bs, d, self.kv_bits, self.kv_group_size, self.dtype
+                )
+            return mx.zeros((s.kv_heads, n, bs, d), dtype=self.dtype)
 
-        self.k = [kv(s, s.k_dim) for s in self.layers]
-        self.v = [kv(s, s.v_dim) for s in self.layers]
+        self.k: list[Any] = [kv(s, s.k_dim) for s in self.layers]
+        self.v: list[Any] = [kv(s, s.v_dim) for s in self.layers]
         self.state: list[list[mx.array] | None] = [
             [mx.zeros((self.num_slots, *e.shape), dtype=e.dtype) for e in s.state]
             if s.state
@@ -213,7 +233,11 @@ class KVPools:
     @property
     def nbytes(self) -> int:
         """Bytes of the KV pools."""
-        return sum(a.nbytes for a in (*self.k, *self.v) if a is not None)
+        return sum(a.nbytes for a in self.kv_arrays())
+
+    def kv_arrays(self) -> list[mx.array]:
+        """Every K/V pool array (a quantized pool's packed words, scales and biases)."""
+        return flat_pools(self.k, self.v)
 
     @property
     def state_nbytes(self) -> int:
@@ -228,7 +252,7 @@ class KVPools:
         (this waits for a step in flight): an update whose value still aliases
         its pool cannot be done in place, and MLX would copy the whole pool.
         """
-        pools = [p for p in (*self.k, *self.v) if p is not None]
+        pools = self.kv_arrays()
         src = mx.array([c[0] for c in copies], dtype=mx.int32)
         rows = [mx.take(p, src, axis=1) for p in pools]
         mx.eval(rows)
@@ -250,7 +274,7 @@ class KVPools:
 
     def arrays(self) -> list[mx.array]:
         """Every pool array and the mirror's (to evaluate after a step)."""
-        out = [a for a in (*self.k, *self.v) if a is not None]
+        out = self.kv_arrays()
         for arrs in self.state:
             if arrs:
                 out.extend(arrs)
@@ -269,6 +293,8 @@ class KVPools:
         :data:`MIRROR_FRACTION` of the pools' bytes (the call then gathers, as
         every call without a mirror does).
         """
+        if self.kv_bits is not None:
+            return None  # rows stay packed: a mirror would hold a full-precision copy
         st = np.asarray(starts, dtype=np.int64)
         m = self.mirror
         if (
@@ -506,8 +532,18 @@ class PagedKVCache:
     def write_and_gather(
         self, layer: int, geometry: int | None, keys: mx.array, values: mx.array
     ) -> tuple[mx.array, mx.array]:
-        """Write ``keys``/``values`` [B, kvh, L, d] into layer's pools; gather its view."""
+        """Write ``keys``/``values`` [B, kvh, L, d] into layer's pools; gather its view.
+
+        Quantized pools give (packed, scales, biases) triples instead of arrays:
+        the attention that takes them (mlx-lm's for a cache with ``bits``,
+        ``cpu_attention.attention`` for ours) runs quantized matmuls over them.
+        """
         p = self.pools
+        if p.kv_bits is not None:
+            tables = self.view(geometry).tables
+            return write_and_gather_quant(  # type: ignore[return-value]
+                p, layer, self._w_block, self._w_row, tables, keys, values
+            )
         b, h, n, dk = keys.shape
         dv = values.shape[3]
         # [B, kvh, L, d] -> [kvh, B*L, d], matching the row-major write slots.
@@ -572,6 +608,10 @@ class PagedLayerCache:
         self.layer = layer
         self.window = window
         self._geometry = window
+        if owner.pools.kv_bits is not None:
+            # mlx-lm's attention runs its quantized path for caches with these.
+            self.bits = owner.pools.kv_bits
+            self.group_size = owner.pools.kv_group_size
 
     @property
     def offset(self) -> mx.array:
@@ -601,7 +641,7 @@ class PagedLayerCache:
     @property
     def state(self) -> list[mx.array]:
         p = self._owner.pools
-        return [a for a in (p.k[self.layer], p.v[self.layer]) if a is not None]
+        return flat_pools([p.k[self.layer]], [p.v[self.layer]])
 
     @property
     def nbytes(self) -> int:

@@ -15,13 +15,15 @@ and runs mlx-lm's ``quantized_scaled_dot_product_attention`` (two
 ``mx.quantized_matmul`` calls) over them, so the context is never
 dequantized into a full-precision copy.
 
-Not wired into the engine yet: this module holds the pools, their sizing and
-the option checks, tested against mlx-lm's own quantized cache.
+:class:`~mlx_cairn.engine.paged.KVPools` holds such triples in place of its
+arrays when built with ``kv_bits``; :class:`QuantBlocks` is the same storage
+on its own, what the tests check against mlx-lm's quantized cache.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence as Seq
+from typing import Any
 
 import mlx.core as mx
 from mlx_lm.models.base import quantized_scaled_dot_product_attention
@@ -84,6 +86,70 @@ def block_bytes(
     return block_size * sum(bytes_per_token(s, bits, group_size, itemsize) for s in layers)
 
 
+def quant_pool(
+    kv_heads: int,
+    num_blocks: int,
+    block_size: int,
+    dim: int,
+    bits: int,
+    group_size: int,
+    dtype: mx.Dtype,
+) -> QTriple:
+    """A zeroed quantized pool: (packed, scales, biases), head-major like a full one."""
+    shape = (kv_heads, num_blocks, block_size)
+    g = dim // group_size
+    return (
+        mx.zeros((*shape, packed_dim(dim, bits)), dtype=mx.uint32),
+        mx.zeros((*shape, g), dtype=dtype),
+        mx.zeros((*shape, g), dtype=dtype),
+    )
+
+
+def flat_pools(k: Seq[Any], v: Seq[Any]) -> list[mx.array]:
+    """Every array of the pools ``k`` and ``v`` (arrays, triples or None)."""
+    out: list[mx.array] = []
+    for p in (*k, *v):
+        if isinstance(p, tuple):
+            out.extend(p)
+        elif p is not None:
+            out.append(p)
+    return out
+
+
+def _quantize(rows: mx.array, bits: int, group_size: int, dtype: mx.Dtype) -> QTriple:
+    q = mx.quantize(rows, group_size=group_size, bits=bits)
+    return q[0], q[1].astype(dtype), q[2].astype(dtype)
+
+
+def write_and_gather_quant(
+    pools: Any,
+    layer: int,
+    w_block: mx.array,
+    w_row: mx.array,
+    tables: mx.array,
+    keys: mx.array,
+    values: mx.array,
+) -> tuple[QTriple, QTriple]:
+    """Quantize a step's new ``keys``/``values`` [B, kvh, L, d] into their slots
+    (``w_block``/``w_row``, row-major over [B, L]) of layer's quantized pools and
+    gather the packed blocks of ``tables`` [B, nblk]: each of K and V comes back as
+    ``[B, kvh, nblk*bs, ...]`` triples for mlx-lm's quantized attention."""
+    bits, group, dtype = pools.kv_bits, pools.kv_group_size, pools.dtype
+    k, v = pools.k[layer], pools.v[layer]
+    assert k is not None and v is not None, f"layer {layer} has no KV pools"
+    b = keys.shape[0]
+    out = []
+    for pool, new in ((k, keys), (v, values)):
+        h, d = new.shape[1], new.shape[3]
+        rows = new.transpose(1, 0, 2, 3).reshape(h, -1, d)
+        for arr, q in zip(pool, _quantize(rows, bits, group, dtype), strict=True):
+            arr[:, w_block, w_row] = q  # in place: the pool is donated
+        out.append(
+            tuple(a[:, tables].reshape(h, b, -1, a.shape[-1]).transpose(1, 0, 2, 3) for a in pool)
+        )
+    return out[0], out[1]  # type: ignore[return-value]
+
+
 class QuantBlocks:
     """Quantized K and V pools of every KV layer (``None`` for layers without KV)."""
 
@@ -109,28 +175,21 @@ class QuantBlocks:
         def pool(s: LayerSpec, d: int) -> QTriple | None:
             if not s.has_kv:
                 return None
-            shape = (s.kv_heads, num_blocks, block_size)
-            g = d // group_size
-            return (
-                mx.zeros((*shape, packed_dim(d, bits)), dtype=mx.uint32),
-                mx.zeros((*shape, g), dtype=dtype),
-                mx.zeros((*shape, g), dtype=dtype),
-            )
+            return quant_pool(s.kv_heads, num_blocks, block_size, d, bits, group_size, dtype)
 
         self.k = [pool(s, s.k_dim) for s in self.layers]
         self.v = [pool(s, s.v_dim) for s in self.layers]
         mx.eval(self.arrays())
 
     def arrays(self) -> list[mx.array]:
-        return [a for t in (*self.k, *self.v) if t is not None for a in t]
+        return flat_pools(self.k, self.v)
 
     @property
     def nbytes(self) -> int:
         return sum(a.nbytes for a in self.arrays())
 
     def _quantize(self, rows: mx.array) -> QTriple:
-        q = mx.quantize(rows, group_size=self.group_size, bits=self.bits)
-        return q[0], q[1].astype(self.dtype), q[2].astype(self.dtype)
+        return _quantize(rows, self.bits, self.group_size, self.dtype)
 
     def write(
         self, layer: int, blocks: mx.array, rows: mx.array, keys: mx.array, values: mx.array

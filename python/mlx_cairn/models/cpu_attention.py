@@ -107,10 +107,29 @@ def _cpu_attention(
 def attention(
     q: mx.array, k: mx.array, v: mx.array, scale: float, mask: str | mx.array | None
 ) -> mx.array:
-    """Scaled dot-product attention: the chunked base-2 path for fp32 on the CPU, else MLX's."""
+    """Scaled dot-product attention: the chunked base-2 path for fp32 on the CPU, else MLX's.
+
+    ``k`` and ``v`` may be quantized (packed, scales, biases) triples from
+    quantized KV pools (engine/paged_quant.py): mlx-lm's quantized attention
+    then runs over them, its bits and group size read off the shapes.
+    """
+    if isinstance(k, tuple):
+        return _quantized_attention(q, k, v, scale, mask)
     if _active and q.dtype == mx.float32 and mx.default_device().type == mx.DeviceType.cpu:
         return _cpu_attention(q, k, v, scale, mask)
     return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask)
+
+
+def _quantized_attention(q: mx.array, k: Any, v: Any, scale: float, mask: Any) -> mx.array:
+    from mlx_lm.models.base import quantized_scaled_dot_product_attention
+
+    d = q.shape[-1]
+    bits = 32 * k[0].shape[-1] // d
+    group_size = d // k[1].shape[-1]
+    # q * scale, scale 1.0: mlx-lm scales with ``*=``, which would rebind the caller's array.
+    return quantized_scaled_dot_product_attention(
+        q * scale, k, v, scale=1.0, mask=mask, group_size=group_size, bits=bits
+    )
 
 
 #: Off inside :func:`disabled` (references that must run mlx-lm's own attention).

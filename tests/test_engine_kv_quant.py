@@ -1,0 +1,104 @@
+"""Quantized KV pools end to end (issue 39): the engine with ``kv_bits`` against mlx-lm's
+own generation with ``QuantizedKVCache`` on the same random-weight model."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from mlx_lm.models.cache import QuantizedKVCache
+
+from mlx_cairn.engine import Engine
+from mlx_cairn.engine.testing import closing_at_rest
+from mlx_cairn.models import cpu_attention
+from mlx_cairn.models.testing import tiny_zoo_model
+from mlx_cairn.types import ChatRequest, Done, Message, SamplingParams
+
+TIMEOUT = 60.0
+#: Quantization noise flips near-tied tokens even between two mlx-lm runs that
+#: only chunk the prompt differently, so tokens are compared teacher-forced: each
+#: of ours must be within a margin of mlx-lm's best logit at that position. The
+#: margin is mlx-lm against itself (prompt in chunks of 5 vs whole: the largest
+#: gap of the other run's picks), doubled, plus FLOOR for float rounding.
+FLOOR = 1e-3
+
+
+@pytest.fixture(scope="module")
+def lm():
+    # head_dim 64: one group of mlx-lm's default size per head.
+    return tiny_zoo_model("llama", seed=3, head_dim=64)
+
+
+def _ids(engine: Engine, prompt: list[int], n: int) -> list[int]:
+    base = engine.prepare(
+        ChatRequest(
+            messages=[Message("user", "x")], max_tokens=n, sampling=SamplingParams(temperature=0.0)
+        )
+    )
+    s = engine.submit(dataclasses.replace(base, prompt_ids=list(prompt), max_tokens=n))
+    assert isinstance(list(s.iter_sync(timeout=TIMEOUT))[-1], Done)
+    return list(s.output_ids)
+
+
+def _mlx_lm_logits(inner, tokens: list[int], prompt_len: int, bits: int, chunk: int) -> np.ndarray:
+    """mlx-lm's logits predicting tokens[prompt_len:], quantized cache from position 0,
+    prompt in chunks of ``chunk``, then one token per call (teacher-forced)."""
+    n = len(inner.layers)
+    cache = [QuantizedKVCache(group_size=64, bits=bits) for _ in range(n)]
+    out = []
+    with cpu_attention.disabled():
+        at = 0
+        while at < prompt_len:
+            end = min(prompt_len, at + chunk)
+            logits = inner(mx.array([tokens[at:end]]), cache=cache)[0, -1]
+            at = end
+        out.append(logits)
+        for t in tokens[prompt_len:-1]:
+            out.append(inner(mx.array([[t]]), cache=cache)[0, -1])
+    return np.array(mx.stack(out))
+
+
+def _gaps(logits: np.ndarray, picked: list[int]) -> np.ndarray:
+    return logits.max(axis=1) - logits[np.arange(len(picked)), picked]
+
+
+PROMPTS = [[(7 * i + k) % 200 + 3 for i in range(37 + 5 * k)] for k in range(3)]
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_teacher_forced_against_mlx_lm(lm, bits):
+    inner = lm.model.inner
+    with closing_at_rest(Engine(lm, num_blocks=64, block_size=16, kv_bits=bits)) as e:
+        for prompt in PROMPTS:
+            ours = _ids(e, prompt, 12)
+            ref = _mlx_lm_logits(inner, prompt + ours, len(prompt), bits, chunk=len(prompt))
+            other = _mlx_lm_logits(inner, prompt + ours, len(prompt), bits, chunk=5)
+            margin = 2 * _gaps(ref, list(other.argmax(axis=1))).max() + FLOOR
+            assert _gaps(ref, ours).max() <= margin, (prompt, ours)
+        pools = e._pools
+        assert pools.kv_bits == bits and pools.k[0][0].dtype == mx.uint32
+
+
+@pytest.mark.parametrize(
+    ("kw", "message"),
+    [
+        ({"kv_bits": 3}, "kv_bits must be 8 or 4"),
+        ({"kv_bits": 16}, "kv_bits must be 8 or 4"),
+        ({"kv_bits": 8, "kv_group_size": 128}, "does not divide layer 0's key head dimension 64"),
+        ({"kv_bits": 8, "kv_disk_dir": "/nonexistent"}, "disk tier"),
+    ],
+)
+def test_bad_settings_refuse_to_start(lm, kw, message):
+    with pytest.raises(ValueError, match=message):
+        Engine(lm, num_blocks=16, block_size=16, **kw)
+
+
+def test_budget_holds_more_tokens(lm):
+    blocks = {}
+    for bits in (None, 8, 4):
+        e = Engine(lm, kv_cache_gb=0.01, block_size=16, kv_bits=bits)
+        blocks[bits] = e._pools.num_blocks
+        e.close()
+    assert blocks[8] > 1.5 * blocks[None] and blocks[4] > 2.5 * blocks[None], blocks
