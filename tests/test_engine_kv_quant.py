@@ -102,3 +102,61 @@ def test_budget_holds_more_tokens(lm):
         blocks[bits] = e._pools.num_blocks
         e.close()
     assert blocks[8] > 1.5 * blocks[None] and blocks[4] > 2.5 * blocks[None], blocks
+
+
+def test_prefix_sharing_partial_copy_and_preemption_on_quantized_blocks(lm):
+    # Every answer equals a fresh engine's: shared blocks (by reference), rows
+    # copied out of a cached block (packed rows + scales + biases) and a row
+    # preempted and recomputed all read the same quantized rows.
+    shared = [(11 * i) % 150 + 5 for i in range(16 + 9)]
+    prompts = [[*shared, 30 + k, 31, 32] for k in range(3)]
+    fresh = []
+    for p in prompts:
+        with closing_at_rest(Engine(lm, num_blocks=64, block_size=16, kv_bits=8)) as e:
+            fresh.append(_ids(e, p, 8))
+    with closing_at_rest(Engine(lm, num_blocks=64, block_size=16, kv_bits=8)) as e:
+        assert [_ids(e, p, 8) for p in prompts] == fresh
+        st = e.stats()
+        assert st.prefix_hit_tokens >= 2 * 16 and st.partial_hit_tokens > 0
+        assert st.kv_bits == 8 and st.kv_pool_tokens == 63 * 16
+    # A pool of 6 usable blocks: three rows of 4 blocks each cannot all run at once.
+    with closing_at_rest(
+        Engine(lm, num_blocks=7, block_size=16, kv_bits=8, max_batch=3, step_token_budget=64)
+    ) as e:
+        base = e.prepare(
+            ChatRequest(
+                messages=[Message("user", "x")],
+                max_tokens=8,
+                sampling=SamplingParams(temperature=0.0),
+            )
+        )
+        long = [[(5 * i + k) % 190 + 3 for i in range(30)] for k in range(3)]
+        want = []
+        for p in long:
+            with closing_at_rest(Engine(lm, num_blocks=64, block_size=16, kv_bits=8)) as f:
+                want.append(_ids(f, p, 20))
+        subs = [e.submit(dataclasses.replace(base, prompt_ids=p, max_tokens=20)) for p in long]
+        for s in subs:
+            assert isinstance(list(s.iter_sync(timeout=TIMEOUT))[-1], Done)
+        assert [list(s.output_ids) for s in subs] == want
+        assert e.stats().preemptions > 0
+
+
+def test_serve_refuses_bad_kv_settings():
+    import argparse
+
+    from mlx_cairn.api.server import ServeError, add_arguments, build
+
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    for bad in (
+        ["--kv-bits", "3"],
+        ["--kv-bits", "16"],
+        ["--kv-bits", "8", "--kv-group-size", "48"],
+    ):
+        with pytest.raises(SystemExit):
+            p.parse_args(bad)
+    args = p.parse_args(["--kv-bits", "8"])
+    args.kv_bits = 3  # a Namespace built in code is checked too
+    with pytest.raises(ServeError, match="kv_bits must be 8 or 4"):
+        build(args, {})

@@ -41,6 +41,11 @@ MAX_TOP_LOGPROBS = 20
 #: Speculative decoding modes the engine and ``cairn serve`` take, and the most
 #: draft tokens per step and row by default (bench/bench_speculative.py) and at most.
 SPECULATIVE_MODES = ("ngram",)
+#: Quantized KV cache widths (``--kv-bits``; None is full precision), and the
+#: group sizes ``mx.quantize`` takes (``--kv-group-size``).
+KV_BITS = (8, 4)
+KV_GROUP_SIZES = (32, 64, 128)
+DEFAULT_KV_GROUP_SIZE = 64
 DEFAULT_NUM_SPECULATIVE = 8
 MAX_NUM_SPECULATIVE = 64
 StopReason = Literal["end_turn", "max_tokens", "stop_sequence", "tool_use"]

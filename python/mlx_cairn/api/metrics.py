@@ -20,6 +20,7 @@ Families (``model`` is a served model's primary name)::
     cairn_running_sequences{model}                       gauge
     cairn_kv_blocks{model,state="free|cached|in_use"}    gauge      (cached: hashed, free or not)
     cairn_kv_blocks_total{model}                         gauge      (usable blocks)
+    cairn_kv_pool_tokens{model}                          gauge      (tokens the pool holds)
     cairn_prefix_cache_hit_tokens_total{model}           counter
     cairn_generated_tokens_total{model}                  counter
     cairn_preemptions_total{model}                       counter
@@ -143,6 +144,11 @@ class _EngineCollector:
             ["model", "state"],
         )
         total = gauge("cairn_kv_blocks_total", "Usable KV blocks.", ["model"])
+        pool_tokens = gauge(
+            "cairn_kv_pool_tokens",
+            "Tokens the KV pool holds (more with --kv-bits for the same budget).",
+            ["model"],
+        )
         hits = counter(
             "cairn_prefix_cache_hit_tokens",
             "Prompt tokens served from the prefix cache.",
@@ -215,6 +221,7 @@ class _EngineCollector:
             blocks.add_metric([name, "cached"], float(st.blocks_cached))
             blocks.add_metric([name, "in_use"], float(st.blocks_in_use))
             total.add_metric([name], float(st.blocks_total))
+            pool_tokens.add_metric([name], float(st.kv_pool_tokens))
             hits.add_metric([name], float(st.prefix_hit_tokens))
             generated.add_metric([name], float(st.generated_tokens))
             preempt.add_metric([name], float(st.preemptions))
@@ -234,7 +241,18 @@ class _EngineCollector:
             spec.add_metric([name, "draft"], float(st.spec_draft_tokens))
             spec.add_metric([name, "accepted"], float(st.spec_accepted_tokens))
             spec_rows.add_metric([name], float(st.spec_verify_rows))
-        yield from (loaded, queue, running, blocks, total, hits, generated, preempt, outcomes)
+        yield from (
+            loaded,
+            queue,
+            running,
+            blocks,
+            total,
+            pool_tokens,
+            hits,
+            generated,
+            preempt,
+            outcomes,
+        )
         yield from (
             snaps,
             snap_bytes,

@@ -41,7 +41,14 @@ from mlx_cairn.api.state import (
     ServerConfig,
     cors_origin,
 )
-from mlx_cairn.types import DEFAULT_NUM_SPECULATIVE, MAX_NUM_SPECULATIVE, SPECULATIVE_MODES
+from mlx_cairn.types import (
+    DEFAULT_KV_GROUP_SIZE,
+    DEFAULT_NUM_SPECULATIVE,
+    KV_BITS,
+    KV_GROUP_SIZES,
+    MAX_NUM_SPECULATIVE,
+    SPECULATIVE_MODES,
+)
 
 log = logging.getLogger("mlx_cairn.api")
 
@@ -216,6 +223,15 @@ def build(
         if not math.isfinite(value) or value < low or (value == low and not inclusive):
             bound = f"at least {low}" if inclusive else f"above {low}"
             raise ServeError(f"{flag} must be {bound}, got {value}")
+    kv_bits = getattr(args, "kv_bits", None)
+    kv_group_size = getattr(args, "kv_group_size", None) or DEFAULT_KV_GROUP_SIZE
+    if kv_bits is not None or kv_group_size != DEFAULT_KV_GROUP_SIZE:
+        from mlx_cairn.engine.paged_quant import check_kv_quant
+
+        try:  # the head dimension is checked when each model's engine starts
+            check_kv_quant(kv_bits, kv_group_size, [])
+        except ValueError as e:
+            raise ServeError(f"--kv-bits/--kv-group-size: {e}") from None
     if getattr(args, "speculative", None) and getattr(args, "draft_model", None):
         raise ServeError("--speculative and --draft-model are two ways to speculate: pick one")
     max_body_bytes = int(args.max_body_mb * 1024 * 1024)
@@ -257,6 +273,8 @@ def build(
                 speculative=getattr(args, "speculative", None),
                 num_speculative_tokens=getattr(args, "num_speculative_tokens", None),
                 draft_model=draft_model(),
+                kv_bits=kv_bits,
+                kv_group_size=kv_group_size,
             )
         except ValueError as e:
             # The pool is sized from the model's shapes, so this is known only now;
@@ -499,6 +517,21 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=None,
         metavar="X",
         help="KV cache size in GiB (default: sized from free memory)",
+    )
+    p.add_argument(
+        "--kv-bits",
+        type=int,
+        choices=KV_BITS,
+        default=None,
+        help="store the KV cache quantized to 8 or 4 bits (~2x / ~3.5x the tokens in the "
+        "same --kv-cache-gb; default full precision)",
+    )
+    p.add_argument(
+        "--kv-group-size",
+        type=int,
+        choices=KV_GROUP_SIZES,
+        default=DEFAULT_KV_GROUP_SIZE,
+        help="values per scale/bias group with --kv-bits (must divide the head dimension)",
     )
     p.add_argument(
         "--kv-disk-dir",

@@ -902,6 +902,8 @@ class Engine:
             blocks_in_use=int(c["blocks_in_use"]),
             block_size=self.block_size,
             kv_cache_bytes=self._pools.nbytes,
+            kv_pool_tokens=int(c["blocks_total"]) * self.block_size,
+            kv_bits=self._pools.kv_bits or 0,
             prefix_hit_tokens=sched.prefix_hit_tokens,
             partial_hit_tokens=sched.partial_hit_tokens,
             prefill_tokens=up.prefill_tokens,

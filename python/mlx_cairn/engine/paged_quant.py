@@ -29,12 +29,7 @@ import mlx.core as mx
 from mlx_lm.models.base import quantized_scaled_dot_product_attention
 
 from mlx_cairn.models.base import LayerSpec
-
-#: The widths mlx-lm's QuantizedKVCache is used with; None is full precision.
-KV_BITS = (8, 4)
-DEFAULT_KV_GROUP_SIZE = 64
-#: Group sizes ``mx.quantize`` accepts.
-KV_GROUP_SIZES = (32, 64, 128)
+from mlx_cairn.types import DEFAULT_KV_GROUP_SIZE, KV_BITS, KV_GROUP_SIZES
 
 QTriple = tuple[mx.array, mx.array, mx.array]
 

@@ -33,6 +33,10 @@ class EngineStats:
     blocks_cached: int = 0
     block_size: int = 0
     kv_cache_bytes: int = 0
+    #: Tokens the KV pool holds (``blocks_total * block_size``), and its width:
+    #: 8 or 4 for quantized pools (``kv_bits``), 0 for full precision.
+    kv_pool_tokens: int = 0
+    kv_bits: int = 0
     prefix_hit_tokens: int = 0
     #: Of those, tokens copied from the leading rows of a cached block (partial-block reuse).
     partial_hit_tokens: int = 0
