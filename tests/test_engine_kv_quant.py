@@ -160,3 +160,24 @@ def test_serve_refuses_bad_kv_settings():
     args.kv_bits = 3  # a Namespace built in code is checked too
     with pytest.raises(ServeError, match="kv_bits must be 8 or 4"):
         build(args, {})
+
+
+def test_own_architecture_and_speculative_verification_on_quantized_blocks():
+    # models/llama.py (the embedded default's code) takes the packed triples
+    # through cpu_attention.attention; n-gram speculation verifies over them.
+    from mlx_cairn.models.testing import tiny_model
+
+    own = tiny_model("qwen3", seed=4)  # head_dim 32
+    prompt = [(3 * i) % 20 + 5 for i in range(40)]  # repetitive: drafts get proposed
+    got = {}
+    for spec in (None, "ngram"):
+        with closing_at_rest(
+            Engine(own, num_blocks=64, block_size=16, kv_bits=8, kv_group_size=32, speculative=spec)
+        ) as e:
+            got[spec] = _ids(e, prompt, 16)
+            if spec:
+                assert e.stats().spec_draft_tokens > 0
+    assert got["ngram"] == got[None]
+    with closing_at_rest(Engine(own, num_blocks=64, block_size=16)) as e:
+        full = _ids(e, prompt, 16)
+    assert full[:4] == got[None][:4]  # 8-bit noise is small: the first tokens agree
