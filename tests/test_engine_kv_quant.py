@@ -8,7 +8,7 @@ import dataclasses
 import mlx.core as mx
 import numpy as np
 import pytest
-from mlx_lm.models.cache import QuantizedKVCache
+from mlx_lm.models.cache import KVCache, QuantizedKVCache, make_prompt_cache
 
 from mlx_cairn.engine import Engine
 from mlx_cairn.engine.testing import closing_at_rest
@@ -45,8 +45,11 @@ def _ids(engine: Engine, prompt: list[int], n: int) -> list[int]:
 def _mlx_lm_logits(inner, tokens: list[int], prompt_len: int, bits: int, chunk: int) -> np.ndarray:
     """mlx-lm's logits predicting tokens[prompt_len:], quantized cache from position 0,
     prompt in chunks of ``chunk``, then one token per call (teacher-forced)."""
-    n = len(inner.layers)
-    cache = [QuantizedKVCache(group_size=64, bits=bits) for _ in range(n)]
+    # mlx-lm's own caches, each KVCache quantized (recurrent layers keep theirs).
+    cache = [
+        QuantizedKVCache(group_size=64, bits=bits) if type(c) is KVCache else c
+        for c in make_prompt_cache(inner)
+    ]
     out = []
     with cpu_attention.disabled():
         at = 0
@@ -67,8 +70,16 @@ def _gaps(logits: np.ndarray, picked: list[int]) -> np.ndarray:
 PROMPTS = [[(7 * i + k) % 200 + 3 for i in range(37 + 5 * k)] for k in range(3)]
 
 
+@pytest.fixture(scope="module")
+def hybrid():
+    # Gated-delta (recurrent) layers and full attention, head_dim 64.
+    return tiny_zoo_model("qwen3_next", seed=3, head_dim=64)
+
+
 @pytest.mark.parametrize("bits", [8, 4])
-def test_teacher_forced_against_mlx_lm(lm, bits):
+@pytest.mark.parametrize("which", ["lm", "hybrid"])
+def test_teacher_forced_against_mlx_lm(request, which, bits):
+    lm = request.getfixturevalue(which)
     inner = lm.model.inner
     with closing_at_rest(Engine(lm, num_blocks=64, block_size=16, kv_bits=bits)) as e:
         for prompt in PROMPTS:
@@ -78,7 +89,10 @@ def test_teacher_forced_against_mlx_lm(lm, bits):
             margin = 2 * _gaps(ref, list(other.argmax(axis=1))).max() + FLOOR
             assert _gaps(ref, ours).max() <= margin, (prompt, ours)
         pools = e._pools
-        assert pools.kv_bits == bits and pools.k[0][0].dtype == mx.uint32
+        kv = [k for k in pools.k if k is not None]
+        assert pools.kv_bits == bits and all(k[0].dtype == mx.uint32 for k in kv)
+        for arrs in pools.state:  # recurrent state stays full precision
+            assert arrs is None or all(a.dtype != mx.uint32 for a in arrs)
 
 
 @pytest.mark.parametrize(
@@ -181,3 +195,18 @@ def test_own_architecture_and_speculative_verification_on_quantized_blocks():
     with closing_at_rest(Engine(own, num_blocks=64, block_size=16)) as e:
         full = _ids(e, prompt, 16)
     assert full[:4] == got[None][:4]  # 8-bit noise is small: the first tokens agree
+
+
+def test_sliding_window_layers_are_quantized_too():
+    # mlx-lm does not quantize its rotating (sliding-window) caches, so there is
+    # no quantized reference: the 8-bit answer must follow full precision's
+    # first tokens, and every KV layer's pool must be packed.
+    lm = tiny_zoo_model("gemma3_text", seed=3, head_dim=64)
+    prompt = [(7 * i) % 200 + 3 for i in range(40)]  # longer than the window (8)
+    with closing_at_rest(Engine(lm, num_blocks=64, block_size=16, kv_bits=8)) as e:
+        q8 = _ids(e, prompt, 8)
+        assert all(k is None or k[0].dtype == mx.uint32 for k in e._pools.k)
+        assert any(s.window for s in e._pools.layers)
+    with closing_at_rest(Engine(lm, num_blocks=64, block_size=16)) as e:
+        full = _ids(e, prompt, 8)
+    assert q8[:3] == full[:3]
