@@ -18,6 +18,7 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -165,15 +166,29 @@ def gone_response(request: Request) -> Response:
     return _Nothing()
 
 
-@router.post("/v1/embeddings")
-async def create_embeddings(request: Request) -> Response:
-    """Embeddings of a string, a list of strings or token ids (OpenAI's shape)."""
+async def run_route(
+    request: Request,
+    parse: Callable[[Any], Any],
+    reply: Callable[[Any, Embedded], Awaitable[Response]],
+) -> Response:
+    """The body of every embedding route: read and ``parse`` the body, serve it,
+    ``reply(req, done)`` (nothing for a client that left)."""
     state = app_state(request)
     body = await read_json(request)
     check_depth(body)
-    req = parse_openai(body)
+    req = parse(body)
     try:
         done = await serve_embedding(request, state, req)
     except ClientGone:
         return gone_response(request)
-    return await answer(request, openai_body, done.vectors, req, done.model, done.tokens)
+    return await reply(req, done)
+
+
+@router.post("/v1/embeddings")
+async def create_embeddings(request: Request) -> Response:
+    """Embeddings of a string, a list of strings or token ids (OpenAI's shape)."""
+    return await run_route(
+        request,
+        parse_openai,
+        lambda req, done: answer(request, openai_body, done.vectors, req, done.model, done.tokens),
+    )

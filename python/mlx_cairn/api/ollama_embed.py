@@ -19,9 +19,7 @@ from fastapi import APIRouter, Request
 from starlette.responses import Response
 
 from mlx_cairn.api.dialects import Dialect
-from mlx_cairn.api.embeddings import ClientGone, answer, gone_response, serve_embedding
-from mlx_cairn.api.state import app_state, read_json
-from mlx_cairn.protocol.base import check_depth
+from mlx_cairn.api.embeddings import Embedded, answer, run_route
 from mlx_cairn.protocol.embeddings import (
     ollama_embed_body,
     ollama_embeddings_body,
@@ -49,38 +47,23 @@ _NS = 1_000_000_000
 @router.post("/api/embed")
 async def embed(request: Request) -> Response:
     """Vectors of one string or a list (``truncate`` defaults to true, as in Ollama)."""
-    state = app_state(request)
-    body = await read_json(request)
-    check_depth(body)
-    req = parse_ollama_embed(body)
-    try:
-        done = await serve_embedding(request, state, req)
-    except ClientGone:
-        return gone_response(request)
-    return await answer(
+
+    def body(vectors: Any, req: Any, done: Embedded) -> dict[str, Any]:
+        total, load = int(done.total_seconds * _NS), int(done.load_seconds * _NS)
+        return ollama_embed_body(vectors, req.model, done.tokens, total_ns=total, load_ns=load)
+
+    return await run_route(
         request,
-        _embed_body,
-        done.vectors,
-        req.model,
-        done.tokens,
-        int(done.total_seconds * _NS),
-        int(done.load_seconds * _NS),
+        parse_ollama_embed,
+        lambda req, done: answer(request, body, done.vectors, req, done),
     )
-
-
-def _embed_body(vectors: Any, model: str, tokens: int, total: int, load: int) -> dict[str, Any]:
-    return ollama_embed_body(vectors, model, tokens, total_ns=total, load_ns=load)
 
 
 @router.post("/api/embeddings")
 async def embeddings(request: Request) -> Response:
     """The legacy route: one ``prompt``, one ``embedding``."""
-    state = app_state(request)
-    body = await read_json(request)
-    check_depth(body)
-    req = parse_ollama_embeddings(body)
-    try:
-        done = await serve_embedding(request, state, req)
-    except ClientGone:
-        return gone_response(request)
-    return await answer(request, ollama_embeddings_body, done.vectors)
+    return await run_route(
+        request,
+        parse_ollama_embeddings,
+        lambda req, done: answer(request, ollama_embeddings_body, done.vectors),
+    )

@@ -24,6 +24,7 @@ from mlx_cairn.api.runner import (
     Generation,
     GenerationResponse,
     prepare_generation,
+    respond,
     serve_generation,
 )
 from mlx_cairn.api.state import AppState
@@ -116,18 +117,7 @@ async def _start(
         if arrived is not None:
             arrived()
     merged = ChoiceStreams(streams, [i // req.n for i in range(len(streams))])
-    try:
-        return GenerationResponse(
-            Generation(merged, n, lease),
-            codec,
-            stream=req.stream,
-            dialect=dialect,
-            ping_interval=state.config.ping_interval,
-            opening=opening,
-        )
-    except BaseException:
-        merged.cancel()
-        raise
+    return respond(state, dialect, req, Generation(merged, n, lease), codec, opening)
 
 
 @router.post("/v1/completions")

@@ -207,9 +207,17 @@ async def _start(
     finally:
         if arrived is not None:
             arrived()
+    return respond(state, dialect, req, Generation(stream, n, lease), codec, opening)
+
+
+def respond(
+    state: AppState, dialect: Dialect, req: Any, gen: Generation, codec: Codec, opening: Any
+) -> GenerationResponse:
+    """The response for a submitted generation (SSE or JSON as ``req.stream`` asks); if
+    it cannot be built, the generation is cancelled instead of running unread."""
     try:
         return GenerationResponse(
-            Generation(stream, n, lease),
+            gen,
             codec,
             stream=req.stream,
             dialect=dialect,
@@ -217,7 +225,7 @@ async def _start(
             opening=opening,
         )
     except BaseException:
-        stream.cancel()
+        gen.stream.cancel()
         raise
 
 

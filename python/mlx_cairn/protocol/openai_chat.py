@@ -48,7 +48,6 @@ them, logprobs included.
 from __future__ import annotations
 
 import copy
-import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -73,7 +72,6 @@ from mlx_cairn.protocol.openai_common import (
     function_tool,
     is_int,
     json_object,
-    new_id,
     opt_bool,
     opt_max_tokens,
     output_format,
@@ -274,14 +272,12 @@ class ChatCodec(ChunkWire):
         completion_id: str | None = None,
         created: int | None = None,
     ) -> None:
-        self.model = model
+        super().__init__(model, "chatcmpl-", completion_id, created)
         #: The request asked for logprobs: text chunks carry them.
         self.logprobs = logprobs
         self.input_tokens = input_tokens
         self.include_usage = include_usage
         self.allow_tools = allow_tools
-        self.id = completion_id or new_id("chatcmpl-")
-        self.created = created if created is not None else int(time.time())
         self._role_sent = False
         self._calls = 0
         self._gate = TextGate()

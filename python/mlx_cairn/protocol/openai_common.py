@@ -19,6 +19,7 @@ Error types and codes come from the one table in :mod:`mlx_cairn.errors`.
 from __future__ import annotations
 
 import math
+import time
 from typing import Any
 
 import orjson
@@ -408,9 +409,11 @@ class ChunkWire:
     envelope with their ``OBJECT`` name, and the keep-alive ping."""
 
     OBJECT = ""
-    id: str
-    created: int
-    model: str
+
+    def __init__(self, model: str, id_prefix: str, completion_id: str | None, created: int | None):
+        self.model = model
+        self.id = completion_id or new_id(id_prefix)
+        self.created = created if created is not None else int(time.time())
 
     def ping(self) -> bytes:
         """An SSE comment (clients ignore it)."""

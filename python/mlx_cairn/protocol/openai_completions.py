@@ -41,7 +41,6 @@ usage chunk in JSON mode).
 from __future__ import annotations
 
 import copy
-import time
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -60,7 +59,6 @@ from mlx_cairn.protocol.openai_common import (
     cache_salt,
     error_body,
     fail,
-    new_id,
     opt_bool,
     opt_max_tokens,
     stop_list,
@@ -239,12 +237,10 @@ class CompletionCodec(ChunkWire):
         completion_id: str | None = None,
         created: int | None = None,
     ) -> None:
-        self.model = model
+        super().__init__(model, "cmpl-", completion_id, created)
         self.input_tokens = input_tokens
         self.include_usage = include_usage
         self.logprobs = logprobs
-        self.id = completion_id or new_id("cmpl-")
-        self.created = created if created is not None else int(time.time())
         self._echo = echo or []
         self._choices = [
             _Choice(len(self._echo[i]) if i < len(self._echo) else 0) for i in range(num_choices)
