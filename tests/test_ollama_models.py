@@ -180,7 +180,7 @@ def test_keep_alive_loads_and_unloads(lazy: dict[str, Any]) -> None:
         model="lazy",
         messages=[{"role": "user", "content": "bye"}],
         keep_alive=0,
-        options={"num_predict": 2},
+        options={"num_predict": 2, "temperature": 0},  # greedy: no end-of-turn draw
     )
     assert r.done and r.eval_count == 2
     wait_until(lambda: sm.state == "unloaded", "keep_alive 0 did not unload the model")
