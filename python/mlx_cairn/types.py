@@ -63,6 +63,43 @@ class ToolCall:
     arguments: str
 
 
+#: Where an image sits in a :class:`Message`'s ``content``: one mark per entry of
+#: ``Message.images``, in order (a private-use character; the wire removes it
+#: from client text, so every mark is an image).
+IMAGE_MARK = "\ue0f0"
+
+
+@dataclass(frozen=True, slots=True)
+class Image:
+    """A picture from a request, decoded and validated at the wire.
+
+    ``pixels`` is an RGB ``PIL.Image.Image`` (GIFs: their first frame).
+    ``digest`` is its identity in the prefix cache and the vision-feature
+    cache: a SHA-256 of the decoded pixels and their size, so the same picture
+    sent as PNG or as base64 twice is one image, and two pictures never are.
+
+    Example::
+
+        img = Image.from_pil(PIL.Image.new("RGB", (32, 32), "red"))
+        Message("user", f"What is this? {IMAGE_MARK}", images=[img])
+    """
+
+    pixels: Any
+    digest: str
+    width: int
+    height: int
+
+    @classmethod
+    def from_pil(cls, picture: Any) -> Image:
+        """An :class:`Image` of a PIL picture (converted to RGB)."""
+        import hashlib
+
+        rgb = picture if picture.mode == "RGB" else picture.convert("RGB")
+        h = hashlib.sha256(f"{rgb.width}x{rgb.height}:".encode())
+        h.update(rgb.tobytes())
+        return cls(rgb, h.hexdigest(), rgb.width, rgb.height)
+
+
 @dataclass(slots=True)
 class Message:
     """One conversation turn in dialect-neutral form."""
@@ -76,6 +113,8 @@ class Message:
     tool_call_id: str | None = None
     name: str | None = None
     is_error: bool = False
+    #: The pictures this turn carries, in the order of the IMAGE_MARKs in ``content``.
+    images: list[Image] = field(default_factory=list)
 
 
 @dataclass(slots=True)
