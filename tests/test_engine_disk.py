@@ -392,3 +392,109 @@ def test_a_read_in_several_vectored_pieces_gives_the_blocks_back(tmp_path, monke
                 )
     finally:
         tier.close()
+
+
+def quant_tier_and_pools(tmp: Path, bits: int | None, group: int = 32, num_blocks: int = 80):
+    """A DiskTier of 8/4-bit (or full precision) KV over two layers of other shapes, and
+    pools of quantized random rows (packed words, scales, biases) in the engine's layout."""
+    import mlx.core as mx
+
+    from mlx_cairn.engine.disk import DiskTier
+    from mlx_cairn.engine.paged import KVPools
+    from mlx_cairn.models.base import LayerSpec
+
+    layers = [LayerSpec(2, 64, 64), LayerSpec(0, 0, 0), LayerSpec(1, 64, 128)]
+    tier = DiskTier(
+        tmp,
+        budget_bytes=1 << 30,
+        identity="t",
+        block_size=16,
+        dtype=mx.float32,
+        layers=layers,
+        kv_bits=bits,
+        kv_group_size=group,
+    )
+    pools = KVPools(
+        num_blocks=num_blocks, block_size=16, layers=layers, kv_bits=bits, kv_group_size=group
+    )
+    for lst in (pools.k, pools.v):
+        for i, p in enumerate(lst):
+            if isinstance(p, tuple):
+                h, n, bs, w = p[0].shape
+                x = mx.random.normal((h, n, bs, w * 32 // bits))
+                lst[i] = tuple(mx.quantize(x, group_size=group, bits=bits))
+            elif p is not None:
+                lst[i] = mx.random.normal(p.shape)
+    mx.eval(pools.arrays())
+    return tier, pools
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_quantized_blocks_are_stored_as_they_are(tmp_path, bits):
+    """Packed words, scales and biases go to disk and come back bit for bit, across
+    files and from inside one, and the file says what KV format it holds."""
+    import json
+    import struct
+
+    from mlx_cairn.engine.disk import MAGIC
+
+    tier, pools = quant_tier_and_pools(tmp_path, bits)
+    try:
+        tier.capture([(b, 300 + b) for b in range(1, 79)], pools)
+        tier.flush()
+        assert tier.drain()
+        parts = tier.pool_arrays(pools)
+        assert len(parts) == 2 * 2 * 3  # two KV layers, K and V, three arrays each
+        # Packed: bits/32 of a word per value; scales and biases: one per group of 32.
+        assert tier.block_bytes == 16 * sum(
+            h * (4 * d * bits // 32 + 2 * 4 * d // 32)
+            for h, d in [(2, 64), (2, 64), (1, 64), (1, 128)]
+        )
+        for lo, hi in [(1, 79), (3, 70), (64, 66)]:
+            got = tier.read([300 + b for b in range(lo, hi)]).result()
+            assert got.hashes == [300 + b for b in range(lo, hi)]
+            assert [a.dtype for a in got.arrays[:3]] == [np.uint32, np.float32, np.float32]
+            for arr, pool in zip(got.arrays, parts, strict=True):
+                np.testing.assert_array_equal(arr, file_rows(pool, lo, hi))
+        data = files(tmp_path)[0].read_bytes()
+        (n,) = struct.unpack("<I", data[len(MAGIC) : len(MAGIC) + 4])
+        key = json.loads(data[len(MAGIC) + 4 : len(MAGIC) + 4 + n])["key"]
+        assert (key["kv_bits"], key["kv_group_size"], key["dtype"]) == (
+            bits,
+            32,
+            "mlx.core.float32",
+        )
+    finally:
+        tier.close()
+
+
+def test_a_tier_of_other_kv_settings_is_never_read(tmp_path):
+    """8-bit files are invisible to a tier at full precision, 4 bits or another group
+    size (another directory), and one moved into such a tier's directory is removed."""
+    tier, pools = quant_tier_and_pools(tmp_path, 8)
+    hashes = [500 + b for b in range(1, 11)]
+    tier.capture([(b, h) for b, h in zip(range(1, 11), hashes, strict=True)], pools)
+    tier.flush()
+    assert tier.drain()
+    tier.close()
+    (ours,) = files(tmp_path)
+    for bits, group in ((None, 32), (4, 32), (8, 64)):
+        other, _ = quant_tier_and_pools(tmp_path, bits, group)
+        try:
+            assert other.dir != ours.parent
+            assert other.run_length(hashes, 0, len(hashes)) == 0
+        finally:
+            other.close()
+        moved = other.dir / ours.name
+        moved.write_bytes(ours.read_bytes())
+        other, _ = quant_tier_and_pools(tmp_path, bits, group)
+        try:
+            assert other.run_length(hashes, 0, len(hashes)) == 0
+            assert other.stats.dropped_files == 1 and not moved.exists()
+        finally:
+            other.close()
+    again, _ = quant_tier_and_pools(tmp_path, 8)
+    try:  # the 8-bit tier itself still has them
+        assert again.run_length(hashes, 0, len(hashes)) == len(hashes)
+    finally:
+        again.close()

@@ -101,7 +101,6 @@ def test_teacher_forced_against_mlx_lm(request, which, bits):
         ({"kv_bits": 3}, "kv_bits must be 8 or 4"),
         ({"kv_bits": 16}, "kv_bits must be 8 or 4"),
         ({"kv_bits": 8, "kv_group_size": 128}, "does not divide layer 0's key head dimension 64"),
-        ({"kv_bits": 8, "kv_disk_dir": "/nonexistent"}, "disk tier"),
     ],
 )
 def test_bad_settings_refuse_to_start(lm, kw, message):
@@ -210,3 +209,45 @@ def test_sliding_window_layers_are_quantized_too():
     with closing_at_rest(Engine(lm, num_blocks=64, block_size=16)) as e:
         full = _ids(e, prompt, 8)
     assert q8[:3] == full[:3]
+
+
+def test_disk_tier_keeps_quantized_blocks_and_ignores_other_settings(lm, tmp_path):
+    # Written at 8 bits; a restart at 8 bits hits the prefix from disk with the same
+    # greedy answer as a cold 8-bit engine; restarts at full precision and at 4 bits
+    # find nothing of it (another KV format) and answer as their cold engines do.
+    system = [(13 * i) % 180 + 5 for i in range(4 * 16 + 3)]
+    again = [*system, 50, 51, 52]
+
+    def engine(bits, disk=True):
+        kw = {"kv_disk_dir": tmp_path, "kv_disk_gb": 0.05} if disk else {}
+        return Engine(lm, num_blocks=32, block_size=16, kv_bits=bits, **kw)
+
+    with closing_at_rest(engine(8)) as e:
+        _ids(e, [*system, 40, 41], 4)
+    assert list(tmp_path.glob("*/*.kvb")), "the 8-bit blocks were not kept at close"
+    for bits in (8, None, 4):
+        with closing_at_rest(engine(bits, disk=False)) as e:
+            cold = _ids(e, again, 8)
+        with closing_at_rest(engine(bits)) as e:
+            out = _ids(e, again, 8)
+            st = e.stats()
+        assert out == cold, bits
+        if bits == 8:
+            assert st.disk_hit_blocks >= 4 and st.prefix_hit_tokens >= 4 * 16, st
+        else:
+            assert st.disk_hit_blocks == 0 and st.prefix_hit_tokens == 0, st
+
+
+def test_quantized_blocks_evicted_from_a_small_pool_come_back_from_disk(lm, tmp_path):
+    # 12 prompts of 3 blocks through a pool of 11: the second round's prefixes were
+    # evicted to disk while running, read back packed, and answer as the first round.
+    prompts = [[(17 * i + 3 * k) % 190 + 5 for i in range(41)] for k in range(12)]
+    with closing_at_rest(
+        Engine(lm, num_blocks=12, block_size=16, kv_bits=8, kv_disk_dir=tmp_path, kv_disk_gb=0.05)
+    ) as e:
+        first = [_ids(e, p, 3) for p in prompts]
+        assert e._disk.drain()
+        second = [_ids(e, p, 3) for p in prompts]
+        st = e.stats()
+    assert second == first
+    assert st.disk_written_blocks > 0 and st.disk_hit_blocks >= 12, st

@@ -26,6 +26,16 @@ one contiguous array, with no per-block split::
     payload  | K0: b0 b1 .. | V0: b0 b1 .. | K1: b0 b1 .. | V1: ..
     a block's CRC-32C runs over its rows of every part, in this order
 
+Quantized pools (``kv_bits``, engine/paged_quant.py) are stored as they are:
+each of K and V is three parts, the packed words (``uint32``) then the scales
+and the biases (pool dtype), ``[n, block_size, kv_heads, width]`` each::
+
+    payload  | K0 packed | K0 scales | K0 biases | V0 packed | .. | K1 packed | ..
+
+The KV format (bits, group size, dtype) is part of the model key, so a tier
+written at other settings lives in another subdirectory and is never read;
+a file of theirs moved into ours fails the header check and is removed.
+
 A read of blocks from several files takes them in parallel, each file's
 blocks in one positioned read (``preadv``: a whole file's payload is one
 range, scattered over the parts) straight into one buffer that every layer's
@@ -70,6 +80,7 @@ import mlx.core as mx
 import numpy as np
 
 from mlx_cairn.models.base import LayerSpec
+from mlx_cairn.types import DEFAULT_KV_GROUP_SIZE
 
 log = logging.getLogger("mlx_cairn.engine")
 
@@ -145,8 +156,10 @@ class _Staged:
 @dataclass
 class Loaded:
     """Blocks read back for one request: per KV layer its K then its V rows,
-    ``[len(hashes), block_size, kv_heads, dim]`` each (contiguous views of one
-    buffer: ``mx.array`` of each is a plain copy)."""
+    ``[len(hashes), block_size, kv_heads, dim]`` each (quantized pools: K's packed
+    words, scales and biases, then V's; in the order of
+    :meth:`DiskTier.pool_arrays`), contiguous views of one buffer: ``mx.array`` of
+    each is a plain copy."""
 
     hashes: list[int]
     arrays: list[np.ndarray] = field(default_factory=list)
@@ -169,6 +182,7 @@ class DiskTier:
         budget_bytes: the most the directory may hold.
         identity: the model identity (weights fingerprint, dtype).
         block_size, dtype, layers: the pool's shape.
+        kv_bits, kv_group_size: the pool's quantization (None: full precision).
     """
 
     def __init__(
@@ -180,11 +194,14 @@ class DiskTier:
         block_size: int,
         dtype: mx.Dtype,
         layers: Seq[LayerSpec],
+        kv_bits: int | None = None,
+        kv_group_size: int = DEFAULT_KV_GROUP_SIZE,
     ) -> None:
         self.root = Path(root)
         self.budget = int(budget_bytes)
         self.block_size = block_size
         self.dtype = dtype
+        self.kv_bits = kv_bits
         self._np = _np_dtype(dtype)
         self.kv_layers = [i for i, s in enumerate(layers) if s.has_kv]
         self._shapes = [
@@ -194,18 +211,25 @@ class DiskTier:
             )
             for i in self.kv_layers
         ]
-        per = self._np.itemsize
-        self.block_bytes = sum((int(np.prod(k)) + int(np.prod(v))) * per for k, v in self._shapes)
-        #: The payload's parts (K0, V0, K1, ..): one block's shape and bytes in each,
-        #: and the bytes of one block in the parts before it (a part of ``n`` blocks
-        #: starts at ``n * before`` in a file's payload and in a read's buffer).
-        self._parts: list[tuple[tuple[int, ...], int, int]] = []
+        #: The payload's parts (K0, V0, K1, ..; quantized: K0 packed, scales, biases,
+        #: V0 ..): one block's shape, bytes and host dtype in each, and the bytes of
+        #: one block in the parts before it (a part of ``n`` blocks starts at
+        #: ``n * before`` in a file's payload and in a read's buffer).
+        self._parts: list[tuple[tuple[int, ...], int, int, np.dtype[Any]]] = []
         at = 0
         for k, v in self._shapes:
-            for shape in (k, v):
-                n = int(np.prod(shape)) * per
-                self._parts.append((shape, n, at))
-                at += n
+            for bs, h, d in (k, v):
+                if kv_bits is None:
+                    pieces = [((bs, h, d), self._np)]
+                else:
+                    g = (bs, h, d // kv_group_size)
+                    pieces = [((bs, h, d * kv_bits // 32), np.dtype(np.uint32))]
+                    pieces += [(g, self._np), (g, self._np)]
+                for shape, npd in pieces:
+                    n = int(np.prod(shape)) * npd.itemsize
+                    self._parts.append((shape, n, at, npd))
+                    at += n
+        self.block_bytes = at
         #: Recurrent state entries (hybrids): (layer, entry, shape, dtype) in slot order.
         self.state_entries = [
             (i, e, entry.shape, entry.dtype)
@@ -220,6 +244,11 @@ class DiskTier:
             "layers": [[list(k), list(v)] for k, v in self._shapes],
             "state": [[i, e, list(sh), str(dt)] for i, e, sh, dt in self.state_entries],
         }
+        if kv_bits is not None:
+            # The KV format: a tier written at other settings is another key (full
+            # precision keeps the key it always had, so its tiers stay valid).
+            key["kv_bits"] = kv_bits
+            key["kv_group_size"] = kv_group_size
         self.key = key
         digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
         self.dir = self.root / digest
@@ -244,7 +273,7 @@ class DiskTier:
         self._reader = ThreadPoolExecutor(1, thread_name_prefix="cairn-kv-read")
         #: The reader's file reads, in parallel (they wait on the disk, not the GIL).
         self._io = ThreadPoolExecutor(READERS, thread_name_prefix="cairn-kv-io")
-        self._direct = bool(O_DIRECT) and all(pb % 512 == 0 for _, pb, _ in self._parts)
+        self._direct = bool(O_DIRECT) and all(pb % 512 == 0 for _, pb, _, _ in self._parts)
         if google_crc32c.implementation != "c":  # no wheel for this platform: pure Python
             log.warning("kv disk tier: google-crc32c has no C build here; reads will be slow")
 
@@ -326,13 +355,21 @@ class DiskTier:
         if not victims:
             return
         ids = mx.array([b for b, _ in victims], dtype=mx.int32)
-        arrays: list[mx.array] = []
-        for layer in self.kv_layers:
-            # The pools are head-major; the files keep [blocks, block_size, kv_heads, dim].
-            arrays.append(mx.contiguous(pools.k[layer][:, ids].transpose(1, 2, 0, 3)))
-            arrays.append(mx.contiguous(pools.v[layer][:, ids].transpose(1, 2, 0, 3)))
+        # The pools are head-major; the files keep [blocks, block_size, kv_heads, width].
+        arrays = [mx.contiguous(a[:, ids].transpose(1, 2, 0, 3)) for a in self.pool_arrays(pools)]
         mx.async_eval(arrays)
         self._staged.append(_Staged([h for _, h in victims], arrays))
+
+    def pool_arrays(self, pools: Any) -> list[mx.array]:
+        """The pool arrays (head-major ``[kv_heads, num_blocks, block_size, width]``) in
+        the order of the payload's parts: per KV layer its K then its V, each one array
+        or a quantized pool's (packed, scales, biases)."""
+        out: list[mx.array] = []
+        for layer in self.kv_layers:
+            for pool in (pools.k[layer], pools.v[layer]):
+                out.extend(pool if isinstance(pool, tuple) else (pool,))
+        assert len(out) == len(self._parts), "the pools are not the tier's KV format"
+        return out
 
     def has_snapshot(self, block_hash: int) -> bool:
         with self._lock:
@@ -456,10 +493,8 @@ class DiskTier:
         out.hashes = hashes[:done]
         if done:
             out.arrays = [
-                buf[total * before : total * before + done * pb]
-                .view(self._np)
-                .reshape(done, *shape)
-                for shape, pb, before in self._parts
+                buf[total * before : total * before + done * pb].view(npd).reshape(done, *shape)
+                for shape, pb, before, npd in self._parts
             ]
         self.stats.read_bytes += done * self.block_bytes
         self.stats.read_seconds += time.perf_counter() - t0
@@ -480,7 +515,7 @@ class DiskTier:
         base = header["offset"]
         dests = [
             view[total * before + at * pb : total * before + (at + m) * pb]
-            for _, pb, before in self._parts
+            for _, pb, before, _ in self._parts
         ]
         try:
             got = self._pread(path, dests, base, n, first, m)
@@ -524,14 +559,14 @@ class DiskTier:
             return got
         return sum(
             _read_at(fd, [d], base + n * before + first * pb)
-            for (_, pb, before), d in zip(self._parts, dests, strict=True)
+            for (_, pb, before, _), d in zip(self._parts, dests, strict=True)
         )
 
     def _crc(self, view: np.ndarray, n: int, i: int) -> int:
         """CRC-32C of block ``i`` in a layer-major region of ``n`` blocks (a file's
         payload, a read's buffer): over its rows of every part, in order."""
         c = 0
-        for _, pb, before in self._parts:
+        for _, pb, before, _ in self._parts:
             at = n * before + i * pb
             c = google_crc32c.extend(c, view[at : at + pb])
         return c

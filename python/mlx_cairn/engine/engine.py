@@ -158,7 +158,8 @@ class Engine:
             (engine/paged_quant.py, as mlx-lm's ``QuantizedKVCache``); the
             budget then holds ~2x / ~3.5x the tokens. None: full precision.
             Recurrent state and a draft model's pools stay full precision; the
-            disk tier is refused with it (not supported yet).
+            disk tier stores the quantized blocks as they are (a tier written at
+            other settings is not read).
         kv_group_size: values per scale/bias group (32, 64 or 128; must divide
             every layer's head dimension).
     """
@@ -218,8 +219,6 @@ class Engine:
             kv_dtype = mx.float32 if mx.default_device() == mx.cpu else model.dtype
         layer_specs = _layer_specs(model)
         check_kv_quant(kv_bits, kv_group_size, layer_specs)
-        if kv_bits is not None and kv_disk_dir is not None:
-            raise ValueError("kv_bits: the disk tier does not hold quantized blocks yet")
         if kv_bits is None:
             per_block = KVPools.block_bytes(layer_specs, block_size, kv_dtype.size)
         else:
@@ -308,6 +307,8 @@ class Engine:
                 block_size=block_size,
                 dtype=kv_dtype,
                 layers=layer_specs,
+                kv_bits=kv_bits,
+                kv_group_size=kv_group_size,
             )
         self._cache = PrefixCache(self._pool, seed=self._seed)
         self._scheduler = Scheduler(
@@ -855,20 +856,18 @@ class Engine:
             # indexed write of 105 MiB takes ~10x as long as slice writes of the same rows.
             runs = _id_runs(list(ids))
             where = mx.array(ids, dtype=mx.int32) if len(runs) > _MAX_SLICE_RUNS else None
-            for j, layer in enumerate(disk.kv_layers):
-                for pool, part in ((p.k[layer], 2 * j), (p.v[layer], 2 * j + 1)):
-                    assert pool is not None
-                    arr = mx.array(loaded.arrays[part])
-                    if pool.dtype == mx.bfloat16:
-                        arr = arr.view(mx.bfloat16)
-                    arr = arr.transpose(
-                        2, 0, 1, 3
-                    )  # file [n, bs, kvh, d] -> pool's [kvh, n, bs, d]
-                    if where is not None:
-                        pool[:, where] = arr
-                        continue
-                    for at, first, n in runs:
-                        pool[:, first : first + n] = arr[:, at : at + n]
+            # Every pool array (a quantized pool's packed words, scales and biases
+            # alike) in the order of the file's parts.
+            for pool, host in zip(disk.pool_arrays(p), loaded.arrays, strict=True):
+                arr = mx.array(host)
+                if pool.dtype == mx.bfloat16:
+                    arr = arr.view(mx.bfloat16)
+                arr = arr.transpose(2, 0, 1, 3)  # file [n, bs, kvh, w] -> pool's [kvh, n, bs, w]
+                if where is not None:
+                    pool[:, where] = arr
+                    continue
+                for at, first, n in runs:
+                    pool[:, first : first + n] = arr[:, at : at + n]
             self._cache.insert(hashes, hit + list(ids))
             self._pool.free(hit + list(ids))
         states = self._scheduler.states
