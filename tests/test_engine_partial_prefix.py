@@ -10,7 +10,11 @@ import pytest
 from mlx_cairn.engine import Engine
 from mlx_cairn.engine.scheduler import MIN_PARTIAL_ROWS, Scheduler
 from mlx_cairn.engine.sequence import PreparedRequest, Sequence
-from mlx_cairn.engine.testing import bare_sequence, closing_at_rest, greedy_reference
+from mlx_cairn.engine.testing import (
+    bare_sequence,
+    closing_at_rest,
+    greedy_reference_at,
+)
 from mlx_cairn.kv import BlockPool, PrefixCache
 from mlx_cairn.models.testing import mlx_lm_greedy, tiny_model, tiny_zoo_model
 from mlx_cairn.models.tiny_configs import HYBRID_CONFIGS
@@ -113,9 +117,18 @@ def test_a_preempted_row_starts_over_without_its_copy():
 # ------------------------------------------------------------ real engine
 
 
+@pytest.fixture(scope="module", params=[None, 8], ids=["full", "kv8"])
+def kv(request):
+    """KV settings: full precision, and 8-bit blocks (issue 39: copied rows are packed
+    rows with their scales and biases)."""
+    return {} if request.param is None else {"kv_bits": 8, "kv_group_size": 32}
+
+
 @pytest.fixture(scope="module")
-def lm():
-    return tiny_model("llama", seed=5)
+def lm(kv):
+    # The llama's head_dim (16) is below the smallest quantization group: the 8-bit
+    # run takes the qwen3 (head_dim 32).
+    return tiny_model("qwen3" if kv else "llama", seed=5)
 
 
 def greedy(prompt: list[int], max_tokens: int, prepared: PreparedRequest) -> PreparedRequest:
@@ -137,19 +150,19 @@ def _answer(engine: Engine, prepared: PreparedRequest) -> tuple[list[int], Done]
     return list(s.output_ids), done
 
 
-def test_engine_answers_equal_the_reference_with_copied_rows(lm):
-    with closing_at_rest(Engine(lm, num_blocks=128, block_size=16)) as e:
+def test_engine_answers_equal_the_reference_with_copied_rows(lm, kv):
+    with closing_at_rest(Engine(lm, num_blocks=128, block_size=16, **kv)) as e:
         base = _base(e)
         shared = [(7 * i) % 200 + 3 for i in range(16 + 11)]
         a = [*shared, *range(40, 60)]
         out_a, _ = _answer(e, greedy(a, 12, base))
-        assert out_a == greedy_reference(lm, a, 12)
+        assert out_a == greedy_reference_at(lm, a, 12, **kv)
         # Two prompts, each continuing the shared 27 tokens differently: one block
         # is a full hit, 11 rows of the next are copied from a's second block.
         for tail in ([90, 91, 92, 93, 94, 95], [61, 62, 63, 64, 65, 66, 67, 68, 69, 70, 71]):
             prompt = [*shared, *tail]
             out, done = _answer(e, greedy(prompt, 12, base))
-            assert out == greedy_reference(lm, prompt, 12)
+            assert out == greedy_reference_at(lm, prompt, 12, **kv)
             assert done.usage.cached_tokens == 27
         assert e.stats().partial_hit_tokens == 22
         # Batched: several rows copy in the same step, from the same source.
@@ -157,21 +170,21 @@ def test_engine_answers_equal_the_reference_with_copied_rows(lm):
         streams = [e.submit(greedy(p, 10, base)) for p in prompts]
         for p, s in zip(prompts, streams, strict=True):
             assert isinstance(list(s.iter_sync(timeout=TIMEOUT))[-1], Done)
-            assert list(s.output_ids) == greedy_reference(lm, p, 10)
+            assert list(s.output_ids) == greedy_reference_at(lm, p, 10, **kv)
 
 
-def test_engine_source_evicted_meanwhile_is_never_read(lm):
+def test_engine_source_evicted_meanwhile_is_never_read(lm, kv):
     # A pool so small that every new prompt evicts the cached blocks of the last.
-    with closing_at_rest(Engine(lm, num_blocks=8, block_size=16)) as e:
+    with closing_at_rest(Engine(lm, num_blocks=8, block_size=16, **kv)) as e:
         base = _base(e)
         shared = [(11 * i) % 150 + 5 for i in range(16 + 9)]
         for round_ in range(4):
             filler = [(13 * i + round_) % 180 + 4 for i in range(60)]
             out, _ = _answer(e, greedy(filler, 8, base))
-            assert out == greedy_reference(lm, filler, 8)
+            assert out == greedy_reference_at(lm, filler, 8, **kv)
             prompt = [*shared, 30 + round_, 31, 32]
             out, _ = _answer(e, greedy(prompt, 8, base))
-            assert out == greedy_reference(lm, prompt, 8)
+            assert out == greedy_reference_at(lm, prompt, 8, **kv)
 
 
 def test_hybrid_models_copy_nothing():

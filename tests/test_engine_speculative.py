@@ -11,7 +11,7 @@ import pytest
 
 from mlx_cairn.engine import Engine
 from mlx_cairn.engine.speculate import NgramProposer, RowSpec, VerifyRow, verify
-from mlx_cairn.engine.testing import assert_at_rest, greedy_reference
+from mlx_cairn.engine.testing import assert_at_rest, greedy_reference, greedy_reference_at
 from mlx_cairn.models.testing import tiny_model
 from mlx_cairn.types import Admitted, ChatRequest, Done, Error, Message, SamplingParams
 
@@ -243,15 +243,25 @@ def test_rejected_positions_never_enter_the_prefix_cache(lm, spec):
         assert_at_rest(eng)
 
 
-def test_preemption_under_a_small_pool_keeps_outputs_exact(lm, spec):
+@pytest.mark.parametrize("kv", [None, 8], ids=["full", "kv8"])
+def test_preemption_under_a_small_pool_keeps_outputs_exact(lm, spec, kv):
+    kw: dict = {}
+    if kv:
+        # Verification over 8-bit blocks (issue 39): the qwen3 (head_dim 32, one
+        # quantization group) and its noisy draft; the reference is a roomy engine
+        # at the same settings, one request at a time.
+        kw = {"kv_bits": 8, "kv_group_size": 32}
+        lm = tiny_model("qwen3", seed=1)
+        if "draft_model" in spec:
+            spec = {"draft_model": tiny_model("qwen3", seed=1, noise=0.05)}
     reqs = [greedy(p, 40) for p in PROMPTS] * 2
-    with Engine(lm, **spec, num_blocks=40, block_size=4, max_batch=8) as eng:
+    with Engine(lm, **spec, **kw, num_blocks=40, block_size=4, max_batch=8) as eng:
         streams = [eng.submit(r) for r in reqs]
         for s, r in zip(streams, reqs, strict=True):
             list(s.iter_sync(timeout=TIMEOUT))
-            assert s.output_ids == greedy_reference(lm, eng.prepare(r).prompt_ids, 40)
+            assert s.output_ids == greedy_reference_at(lm, eng.prepare(r).prompt_ids, 40, **kw)
         st = assert_at_rest(eng)
-        assert st.spec_draft_tokens > 0
+        assert st.spec_draft_tokens > 0 and st.preemptions > 0
 
 
 def test_opt_out_and_ineligible_rows_do_not_speculate(lm, spec):

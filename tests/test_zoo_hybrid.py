@@ -94,15 +94,26 @@ def test_batched_greedy_equals_mlx_lm(hybrid):
 
 
 def test_prefix_hit_equals_cold_and_next_turn_hits(hybrid):
+    prefix_hit_equals_cold_and_next_turn_hits(hybrid)
+
+
+def test_prefix_hit_equals_cold_on_8_bit_kv_blocks():
+    """The same over 8-bit KV blocks (issue 39): the attention layers' KV is packed,
+    the recurrent state and its snapshots stay full precision."""
+    hybrid = tiny_zoo_model("qwen3_next", seed=1, head_dim=64)
+    prefix_hit_equals_cold_and_next_turn_hits(hybrid, kv_bits=8)
+
+
+def prefix_hit_equals_cold_and_next_turn_hits(hybrid, **kv) -> None:
     rng = np.random.default_rng(3)
     p = ids(rng, 61)
     suffix = ids(rng, 6)
-    cold_engine = Engine(hybrid, num_blocks=96, block_size=4, step_token_budget=24)
+    cold_engine = Engine(hybrid, num_blocks=96, block_size=4, step_token_budget=24, **kv)
     with closing_at_rest(cold_engine):
         base = base_request(cold_engine)
         cold = run(cold_engine, base, p + suffix)
         assert finish(cold).usage.cached_tokens == 0
-    engine = Engine(hybrid, num_blocks=96, block_size=4, step_token_budget=24)
+    engine = Engine(hybrid, num_blocks=96, block_size=4, step_token_budget=24, **kv)
     with closing_at_rest(engine):
         base = base_request(engine)
         first = run(engine, base, p)
@@ -117,7 +128,8 @@ def test_prefix_hit_equals_cold_and_next_turn_hits(hybrid):
         want_cached = (len(p + suffix) + MAX_TOKENS - 1) // 4 * 4
         third = run(engine, base, turn)
         assert finish(third).usage.cached_tokens >= want_cached
-        assert engine.stats().state_snapshot_bytes > 0
+        st = engine.stats()
+        assert st.state_snapshot_bytes > 0 and st.kv_bits == kv.get("kv_bits", 0)
 
 
 def test_preemption_and_cancel_leave_nothing(hybrid):

@@ -24,6 +24,29 @@ def greedy_reference(lm: Any, prompt_ids: list[int], max_tokens: int) -> list[in
     return reference_ids(lm, prompt_ids, max_tokens, SamplingParams(temperature=0.0))
 
 
+def greedy_reference_at(lm: Any, prompt_ids: list[int], max_tokens: int, **kv: Any) -> list[int]:
+    """Greedy tokens for the KV settings ``kv`` (``kv_bits``, ``kv_group_size``): the
+    reference loop at full precision; with quantized KV, which the loop does not
+    model, a fresh engine's answer to the request alone, with room to spare (so
+    shared, copied, preempted or speculated rows must read the same packed rows)."""
+    if not kv.get("kv_bits"):
+        return greedy_reference(lm, prompt_ids, max_tokens)
+    import dataclasses
+
+    from mlx_cairn.engine.engine import Engine
+    from mlx_cairn.types import ChatRequest, Done, Message
+
+    with closing_at_rest(Engine(lm, num_blocks=256, block_size=16, **kv)) as engine:
+        base = engine.prepare(
+            ChatRequest(messages=[Message("user", "x")], sampling=SamplingParams(0.0))
+        )
+        stream = engine.submit(
+            dataclasses.replace(base, prompt_ids=list(prompt_ids), max_tokens=max_tokens)
+        )
+        assert isinstance(list(stream.iter_sync(timeout=60.0))[-1], Done)
+        return list(stream.output_ids)
+
+
 def reference_ids(
     lm: Any, prompt_ids: list[int], max_tokens: int, sampling: SamplingParams
 ) -> list[int]:
