@@ -32,6 +32,8 @@ class Prompt:
     #: Index of the token where the last user message's text starts, when
     #: asked for and found (a state snapshot point of hybrid models).
     last_user_at: int | None = None
+    #: A vision model's pictures in the prompt (``mlx_cairn.models.vision.Media``).
+    media: Any = None
 
 
 def template_kwargs(req: ChatRequest, reasoning: ReasoningInfo) -> dict[str, Any]:

@@ -27,7 +27,7 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from mlx_cairn.chat.data import DataMarks, unescape_markers
 from mlx_cairn.errors import InvalidRequest, ModelLoadError
-from mlx_cairn.types import Message, Tool
+from mlx_cairn.types import IMAGE_MARK, Message, Tool
 
 
 class TemplateRaise(Exception):
@@ -80,6 +80,17 @@ def _environment() -> ImmutableSandboxedEnvironment:
     return env
 
 
+def content_parts(content: str) -> list[dict[str, Any]]:
+    """``content`` as Hugging Face content parts: an image part at each IMAGE_MARK."""
+    parts: list[dict[str, Any]] = []
+    for i, piece in enumerate(content.split(IMAGE_MARK)):
+        if i:
+            parts.append({"type": "image"})
+        if piece:
+            parts.append({"type": "text", "text": piece})
+    return parts
+
+
 def message_to_dict(m: Message) -> dict[str, Any]:
     """A :class:`Message` in the dict shape HF chat templates expect.
 
@@ -89,6 +100,9 @@ def message_to_dict(m: Message) -> dict[str, Any]:
     there (it writes the text as the analysis message itself).
     """
     d: dict[str, Any] = {"role": m.role, "content": m.content}
+    if m.images and IMAGE_MARK in m.content:
+        # Vision templates take content parts (Hugging Face processors' shape).
+        d["content"] = content_parts(m.content)
     if m.reasoning:
         d["reasoning_content"] = m.reasoning
         if not (m.content and m.tool_calls):

@@ -845,7 +845,9 @@ class Engine:
         bs, p = self.block_size, self._pools
         start, k = seq.disk_start, len(loaded.hashes)
         if k:
-            hashes = self._cache.hash_blocks(seq.tokens[: (start + k) * bs], salt=seq.prepared.salt)
+            hashes = self._cache.hash_blocks(
+                seq.hash_tokens(0, (start + k) * bs), salt=seq.prepared.salt
+            )
             hit = list(self._cache.lookup(hashes)) if start else []
             ids = self._scheduler._allocate(k) if len(hit) == start else None
             if ids is None:
@@ -874,8 +876,8 @@ class Engine:
         nb = seq.disk_snap_blocks
         if states is None or loaded.state is None or not nb:
             return
-        hashes = self._cache.hash_blocks(seq.tokens[: nb * bs], salt=seq.prepared.salt)
-        blocks = list(self._cache.lookup(seq.tokens[: nb * bs + 1], salt=seq.prepared.salt))
+        hashes = self._cache.hash_blocks(seq.hash_tokens(0, nb * bs), salt=seq.prepared.salt)
+        blocks = list(self._cache.lookup(seq.hash_tokens(0, nb * bs + 1), salt=seq.prepared.salt))
         slot = states.allocate() if len(blocks) >= nb else None
         if slot is not None:
             for (layer, entry, _, _), host in zip(disk.state_entries, loaded.state, strict=True):

@@ -295,6 +295,7 @@ def prepare(
         grammar=grammar,
         grammar_after=after,
         stop_token_ids=_fim_stop_ids(loaded, request, prompt.ids),
+        media=getattr(prompt, "media", None),
     )
 
 

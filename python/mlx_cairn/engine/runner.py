@@ -85,6 +85,7 @@ class ModelRunner:
     def __init__(self, model: Any, pools: KVPools) -> None:
         self.model = model
         self.pools = pools
+        self._takes_images = bool(getattr(model, "takes_images", False))
         #: What :meth:`_queue` was given between :meth:`hold` and :meth:`release`.
         self._held: list[mx.array] | None = None
 
@@ -151,7 +152,7 @@ class ModelRunner:
                 self._state_slots(both),
                 mirror,
             )
-            h = self.model(tokens, cache)
+            h = self._forward(tokens, cache, both, width)
             cache.commit()
             if not ver:
                 parts.append(self.model.logits(h[:, -1, :]))
@@ -185,7 +186,7 @@ class ModelRunner:
                 [r.n for r in group],
                 self._state_slots(group),
             )
-            h = self.model(mx.array(ids, dtype=mx.int32), cache)
+            h = self._forward(mx.array(ids, dtype=mx.int32), cache, group, None)
             cache.commit()
             last = [(b, r.n - 1) for b, r in enumerate(group) if r.samples]
             if last:
@@ -232,6 +233,16 @@ class ModelRunner:
         out.deferred_logits = deferred_logits
         self._queue(deferred_logits)
         return out
+
+    def _forward(
+        self, tokens: mx.array, cache: PagedKVCache, rows: Any, width: int | None
+    ) -> mx.array:
+        """One forward call; a vision model also gets each row's pictures and span
+        (``(media, start, n)``: its image features go where its image tokens are)."""
+        if not self._takes_images:
+            return self.model(tokens, cache)  # type: ignore[no-any-return]
+        feeds = [(r.seq.prepared.media, r.start, r.n if width is None else width) for r in rows]
+        return self.model(tokens, cache, feeds)  # type: ignore[no-any-return]
 
     def _state_slots(self, rows: Any) -> list[tuple[int, tuple[int, ...]]] | None:
         """Per row (read slot, write slots) of a recurrent model's state, else None."""

@@ -420,7 +420,7 @@ class Scheduler:
         # The kept chain covers the registered blocks (none at first admission);
         # the rest of the tokens continue it for this lookup only.
         head = self._hashes(seq, 0)
-        rest = seq.tokens[len(head) * self.block_size :]
+        rest = seq.hash_tokens(len(head) * self.block_size)
         hashes = self.cache.hash_blocks(rest, prefix=head)
         hit = list(self.cache.lookup(hashes))
         if self._joins(seq, hashes, len(hit)):
@@ -526,7 +526,7 @@ class Scheduler:
         kids = self._by_parent.get(parent)
         if not kids:
             return None
-        want = seq.tokens[start : start + limit]
+        want = seq.hash_tokens(start, start + limit)
         found = []
         for child in kids:
             block, toks = self._sources[(parent, child)]
@@ -559,7 +559,7 @@ class Scheduler:
             parent, child = self._parent_key(seq, hashes, i), int(hashes[i])
             key = (parent, child)
             self._sources.pop(key, None)
-            self._sources[key] = (seq.block_ids[i], tuple(seq.tokens[i * bs : (i + 1) * bs]))
+            self._sources[key] = (seq.block_ids[i], tuple(seq.hash_tokens(i * bs, (i + 1) * bs)))
             kids = self._by_parent.setdefault(parent, {})
             kids.pop(child, None)
             kids[child] = None
@@ -742,7 +742,7 @@ class Scheduler:
             h = self._hashes(seq, full)
             if len(h) > full:  # recomputing after preemption: the kept chain runs ahead
                 h = self.cache.hash_blocks(
-                    seq.tokens[: full * self.block_size], salt=seq.prepared.salt
+                    seq.hash_tokens(0, full * self.block_size), salt=seq.prepared.salt
                 )
             self.cache.insert(h, seq.block_ids[:full])
             self._remember(seq, h, seq.num_registered, full)
@@ -761,7 +761,7 @@ class Scheduler:
             h = seq.block_hashes = self.cache.hash_blocks([], salt=seq.prepared.salt)
         if len(h) < num_blocks:
             h = seq.block_hashes = self.cache.hash_blocks(
-                seq.tokens[len(h) * bs : num_blocks * bs], prefix=h
+                seq.hash_tokens(len(h) * bs, num_blocks * bs), prefix=h
             )
         return h
 

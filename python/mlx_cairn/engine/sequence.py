@@ -61,6 +61,8 @@ class PreparedRequest:
     #: Token ids that end generation as EOS does, for this request only (a
     #: fill-in-the-middle prompt's end-of-middle tokens).
     stop_token_ids: frozenset[int] = frozenset()
+    #: A vision model's pictures in the prompt (``mlx_cairn.models.vision.Media``), or None.
+    media: Any = None
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -144,6 +146,18 @@ class Sequence:
     @property
     def num_prompt(self) -> int:
         return self.prepared.num_prompt_tokens
+
+    def hash_tokens(self, start: int = 0, end: int | None = None) -> list[int]:
+        """``tokens[start:end]`` as the prefix cache hashes them: a picture's positions
+        carry its digest (``Media.hash_ids``), so another picture never shares them."""
+        media = self.prepared.media
+        if media is None:
+            return self.tokens[start:end]
+        stop = len(self.tokens) if end is None else min(end, len(self.tokens))
+        p = len(media.hash_ids)
+        if start >= p:
+            return self.tokens[start:stop]
+        return media.hash_ids[start : min(stop, p)] + self.tokens[p:stop]
 
     @property
     def num_output(self) -> int:

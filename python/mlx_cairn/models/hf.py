@@ -220,7 +220,13 @@ def load_hf_folder(
     config = raw_config = _read_json(config_path)
     files = _safetensors_files(folder)
     model: Any
-    if _llama_path(config):
+    vision = None
+    from mlx_cairn.models.vision import load_vision_model, vision_model_type
+
+    if vision_model_type(config) is not None:
+        model, vision, config, tag = load_vision_model(folder, dtype, keep_quantized)
+        context = context_length(config)
+    elif _llama_path(config):
         model, tag = _load_llama(folder, config, files, dtype, keep_quantized)
         context = int(model.args.max_position_embeddings)
     else:
@@ -257,7 +263,7 @@ def load_hf_folder(
 
     template = _chat_template(folder, tok_config)
     files_for_id = [config_path, *files]
-    return assemble(
+    lm = assemble(
         name=folder.name,
         model=model,
         tokenizer=tokenizer,
@@ -268,3 +274,7 @@ def load_hf_folder(
         path=str(folder),
         source_format="mlx-quantized" if "+q" in tag or _quantized_config(config) else "hf",
     )
+    if vision is not None:
+        lm.vision = vision
+        lm.takes_images = True
+    return lm

@@ -13,6 +13,7 @@ from mlx_cairn.types import ChatRequest
 
 if TYPE_CHECKING:
     from mlx_cairn.models.llama import LlamaModel
+    from mlx_cairn.models.vision import Vision
     from mlx_cairn.models.zoo import ZooModel
 
 
@@ -45,17 +46,25 @@ class LoadedModel:
     #: Checkpoint format: "hf" | "mlx-quantized" | "gguf" | "memory".
     source_format: str = "hf"
     extra: dict[str, object] = field(default_factory=dict)
+    #: The model reads pictures (a vision-language model; /v1/models says so).
+    takes_images: bool = False
+    #: Its processor and vision-feature cache (models/vision.py), for a vision model.
+    vision: Vision | None = None
 
     def prompt(self, req: ChatRequest) -> Prompt:
         """Render ``req`` through the chat template and tokenize it (for a hybrid
-        model, also where its last user message starts: a state snapshot point)."""
-        return build_prompt(
+        model, also where its last user message starts: a state snapshot point).
+        A vision model's image placeholders become the processor's image tokens."""
+        prompt = build_prompt(
             req,
             self.template,
             self.tokenizer,
             self.reasoning,
             locate_last_user=self.has_recurrent_state,
         )
+        if self.vision is not None:
+            prompt = self.vision.expand(prompt, req)
+        return prompt
 
     @property
     def has_recurrent_state(self) -> bool:

@@ -318,9 +318,12 @@ def _kinds(c: Any, model_type: object) -> tuple[str, int | None]:
     """``("kv", window)`` / ``("state", None)`` / ``("both", window)`` of mlx-lm cache ``c``."""
     from mlx_lm.models.cache import ArraysCache, CacheList, KVCache, RotatingKVCache
 
-    if type(c) is KVCache:
+    # mlx-vlm's language models make their own caches of the same kinds.
+    vlm = type(c).__module__ == "mlx_vlm.models.cache"
+    name = type(c).__name__
+    if type(c) is KVCache or (vlm and name == "KVCache"):
         return "kv", None
-    if type(c) is RotatingKVCache and c.keep == 0:
+    if (type(c) is RotatingKVCache or (vlm and name == "RotatingKVCache")) and c.keep == 0:
         return "kv", int(c.max_size)
     if type(c) is ArraysCache:
         return "state", None

@@ -1,0 +1,238 @@
+"""Tiny random-weight vision-language model folders, built in-process for tests.
+
+Each folder is what a real checkpoint looks like to mlx-vlm: ``config.json``
+(with a ``vision_config``), ``model.safetensors`` written from mlx-vlm's own
+model class with random weights, a tokenizer (the tiny byte-level BPE of
+:mod:`mlx_cairn.models.testing` plus the family's image and turn tokens), a
+chat template that takes content parts, and the processor's configs, so
+``mlx_vlm.utils.load`` and ``mlx_cairn.models.load`` both read it.
+
+Example::
+
+    folder = tiny_vision_folder("gemma3", tmp_path)
+    lm = mlx_cairn.models.load(str(folder))
+    lm.takes_images  # True
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+from mlx.utils import tree_flatten
+from tokenizers import AddedToken
+
+from mlx_cairn.models.testing import TINY_VOCAB, random_weights, tiny_tokenizer
+
+#: Architectures :func:`tiny_vision_folder` builds.
+VISION_ARCHES = ("gemma3", "qwen2_5_vl")
+
+_GEMMA3_TEMPLATE = (
+    "{{ bos_token }}"
+    "{%- for message in messages -%}"
+    "{%- set role = 'model' if message['role'] == 'assistant' else message['role'] -%}"
+    "{{ '<start_of_turn>' + role + '\n' }}"
+    "{%- if message['content'] is string -%}{{ message['content'] | trim }}"
+    "{%- else -%}{%- for item in message['content'] -%}"
+    "{%- if item['type'] == 'image' -%}{{ '<start_of_image>' }}"
+    "{%- elif item['type'] == 'text' -%}{{ item['text'] | trim }}{%- endif -%}"
+    "{%- endfor -%}{%- endif -%}"
+    "{{ '<end_of_turn>\n' }}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{ '<start_of_turn>model\n' }}{%- endif -%}"
+)
+
+_QWEN_VL_TEMPLATE = (
+    "{% for message in messages %}"
+    "{% if loop.first and message['role'] != 'system' %}"
+    "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n{% endif %}"
+    "<|im_start|>{{ message['role'] }}\n"
+    "{% if message['content'] is string %}{{ message['content'] }}<|im_end|>\n"
+    "{% else %}{% for content in message['content'] %}"
+    "{% if content['type'] == 'image' %}<|vision_start|><|image_pad|><|vision_end|>"
+    "{% elif content['type'] == 'text' %}{{ content['text'] }}{% endif %}"
+    "{% endfor %}<|im_end|>\n{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def _tokenizer(specials: list[str]) -> Any:
+    """The tiny BPE with ``specials`` added as special tokens (ids follow its own)."""
+    tok = tiny_tokenizer()
+    hf = tok.hf
+    hf.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in specials])
+    return hf
+
+
+def _text(hidden: int = 64, **kw: Any) -> dict[str, Any]:
+    base = {
+        "hidden_size": hidden,
+        "num_hidden_layers": 2,
+        "intermediate_size": 128,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "vocab_size": TINY_VOCAB,
+        "rms_norm_eps": 1e-6,
+        "max_position_embeddings": 2048,
+    }
+    base.update(kw)
+    return base
+
+
+def _gemma3(folder: Path) -> tuple[dict[str, Any], dict[str, Any]]:
+    hf = _tokenizer(
+        [
+            *("<bos>", "<eos>", "<start_of_turn>", "<end_of_turn>"),
+            *("<start_of_image>", "<image_soft_token>", "<end_of_image>"),
+        ]
+    )
+    ids = {t: hf.token_to_id(t) for t in ("<bos>", "<eos>", "<end_of_turn>", "<image_soft_token>")}
+    config = {
+        "model_type": "gemma3",
+        "architectures": ["Gemma3ForConditionalGeneration"],
+        "image_token_index": ids["<image_soft_token>"],
+        "boi_token_index": hf.token_to_id("<start_of_image>"),
+        "eoi_token_index": hf.token_to_id("<end_of_image>"),
+        "mm_tokens_per_image": 4,
+        "eos_token_id": [ids["<eos>"], ids["<end_of_turn>"]],
+        "pad_token_id": 0,
+        "text_config": _text(
+            model_type="gemma3_text",
+            num_hidden_layers=3,
+            head_dim=16,
+            num_key_value_heads=1,
+            query_pre_attn_scalar=16,
+            sliding_window=8,
+            sliding_window_pattern=3,
+            mm_tokens_per_image=4,
+        ),
+        "vision_config": {
+            "model_type": "siglip_vision_model",
+            "hidden_size": 32,
+            "intermediate_size": 64,
+            "num_hidden_layers": 1,
+            "num_attention_heads": 2,
+            "patch_size": 7,
+            "image_size": 28,
+            "layer_norm_eps": 1e-6,
+        },
+    }
+    tok_config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": "<bos>",
+        "eos_token": "<eos>",
+        "pad_token": "<|endoftext|>",
+        "add_bos_token": False,
+        "extra_special_tokens": {
+            "boi_token": "<start_of_image>",
+            "eoi_token": "<end_of_image>",
+            "image_token": "<image_soft_token>",
+        },
+    }
+    files = {
+        "preprocessor_config.json": {
+            "image_processor_type": "Gemma3ImageProcessor",
+            "processor_class": "Gemma3Processor",
+            "do_resize": True,
+            "size": {"height": 28, "width": 28},
+            "do_rescale": True,
+            "rescale_factor": 1 / 255,
+            "do_normalize": True,
+            "image_mean": [0.5, 0.5, 0.5],
+            "image_std": [0.5, 0.5, 0.5],
+            "do_convert_rgb": True,
+            "do_pan_and_scan": False,
+            "resample": 2,
+        },
+        "processor_config.json": {"processor_class": "Gemma3Processor", "image_seq_length": 4},
+    }
+    hf.save(str(folder / "tokenizer.json"))
+    (folder / "chat_template.jinja").write_text(_GEMMA3_TEMPLATE)
+    return config, {"tokenizer_config.json": tok_config, **files}
+
+
+def _qwen2_5_vl(folder: Path) -> tuple[dict[str, Any], dict[str, Any]]:
+    hf = _tokenizer(["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"])
+    text = _text(
+        model_type="qwen2_5_vl",
+        rope_theta=10000.0,
+        tie_word_embeddings=False,
+        bos_token_id=hf.token_to_id("<|endoftext|>"),
+        eos_token_id=hf.token_to_id("<|im_end|>"),
+    )
+    text["rope_scaling"] = {"type": "mrope", "mrope_section": [2, 3, 3]}
+    config = {
+        "model_type": "qwen2_5_vl",
+        "architectures": ["Qwen2_5_VLForConditionalGeneration"],
+        **text,
+        "text_config": dict(text),
+        "image_token_id": hf.token_to_id("<|image_pad|>"),
+        "video_token_id": hf.token_to_id("<|video_pad|>"),
+        "vision_start_token_id": hf.token_to_id("<|vision_start|>"),
+        "vision_end_token_id": hf.token_to_id("<|vision_end|>"),
+        "eos_token_id": hf.token_to_id("<|im_end|>"),
+        "vision_config": {
+            "model_type": "qwen2_5_vl",
+            "depth": 2,
+            "hidden_size": 32,
+            "intermediate_size": 64,
+            "num_heads": 2,
+            "out_hidden_size": 64,
+            "patch_size": 14,
+            "spatial_merge_size": 2,
+            "temporal_patch_size": 2,
+            "window_size": 56,
+            "fullatt_block_indexes": [1],
+            "in_channels": 3,
+        },
+    }
+    tok_config = {
+        "tokenizer_class": "Qwen2Tokenizer",
+        "eos_token": "<|im_end|>",
+        "pad_token": "<|endoftext|>",
+        "bos_token": None,
+        "add_bos_token": False,
+    }
+    files = {
+        "preprocessor_config.json": {
+            "image_processor_type": "Qwen2VLImageProcessor",
+            "processor_class": "Qwen2_5_VLProcessor",
+            "min_pixels": 56 * 56,
+            "max_pixels": 56 * 56 * 4,
+            "patch_size": 14,
+            "temporal_patch_size": 2,
+            "merge_size": 2,
+            "image_mean": [0.48145466, 0.4578275, 0.40821073],
+            "image_std": [0.26862954, 0.26130258, 0.27577711],
+        },
+    }
+    hf.save(str(folder / "tokenizer.json"))
+    (folder / "chat_template.jinja").write_text(_QWEN_VL_TEMPLATE)
+    return config, {"tokenizer_config.json": tok_config, **files}
+
+
+def tiny_vision_folder(arch: str, folder: Path, seed: int = 0) -> Path:
+    """Write a random-weight ``arch`` (:data:`VISION_ARCHES`) checkpoint into ``folder``."""
+    from mlx_vlm.utils import get_model_and_args
+
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    build = {"gemma3": _gemma3, "qwen2_5_vl": _qwen2_5_vl}.get(arch)
+    if build is None:
+        raise ValueError(f"unknown tiny vision architecture {arch!r}")
+    config, files = build(folder)
+    (folder / "config.json").write_text(json.dumps(config, indent=1))
+    for name, body in files.items():
+        (folder / name).write_text(json.dumps(body, indent=1))
+    arch_module, _ = get_model_and_args(config)
+    model_config = arch_module.ModelConfig.from_dict(config)
+    for key in ("text_config", "vision_config"):
+        sub = getattr(arch_module, "TextConfig" if key == "text_config" else "VisionConfig")
+        setattr(model_config, key, sub.from_dict(config[key]))
+    model = arch_module.Model(model_config)
+    random_weights(model, seed)
+    weights = dict(tree_flatten(model.parameters()))
+    mx.save_safetensors(str(folder / "model.safetensors"), weights, metadata={"format": "mlx"})
+    return folder

@@ -1,0 +1,377 @@
+"""Vision-language models: mlx-vlm's towers, projectors and processors; our engine for the rest.
+
+A folder whose ``config.json`` has a ``vision_config`` and whose ``model_type``
+mlx-vlm implements loads with mlx-vlm's own model class and processor
+(:func:`load_vision_folder`). The language model inside it runs over the
+engine's paged KV pools like any text model (:class:`VisionZooModel`, a
+:class:`~mlx_cairn.models.zoo.ZooModel` over ``model.language_model``);
+pictures enter as embeddings::
+
+    prompt:   ... <start_of_image> ...         the template writes one placeholder per image
+    expand:   ... \\n\\n<boi><img>x256<eoi>\\n\\n ...  the processor's own expansion (exact counts)
+    features: mlx-vlm's get_input_embeddings over that span alone, once per picture
+              (an LRU keyed by the picture's digest)
+    forward:  embed_tokens(ids), the span's rows replaced by its features, through the
+              language model's layers (prefill chunks take the slice they cover)
+
+Positions: models with multimodal RoPE (Qwen2-VL, Qwen2.5-VL, Qwen3-VL) get
+per-row position ids: the prompt's from the model's ``get_rope_index``, the
+positions after it shifted by the prompt's rope delta.
+
+Prefix cache: :attr:`Media.hash_ids` is the prompt with every token of an
+image span replaced by an id derived from the picture's digest (above any
+vocabulary), which is what the block hashes see; the model is fed the real ids.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+
+from mlx_cairn.errors import InvalidRequest, ModelLoadError
+from mlx_cairn.models.zoo import ZooModel, cast_floats, checkpoint_dtype, dequantize_model
+from mlx_cairn.types import ChatRequest, Image
+
+#: Vision-tower outputs kept per model (pictures; each a few hundred rows of hidden size).
+FEATURE_CACHE_IMAGES = 64
+#: Processor outputs kept per model (token expansion and pixel values of a picture).
+PROCESSOR_CACHE_IMAGES = 64
+#: Hash ids of image positions: this bit set, the digest's low bits below it.
+_HASH_ID_BIT = 1 << 30
+
+
+def vision_model_type(config: dict[str, Any]) -> str | None:
+    """mlx-vlm's model_type for a vision-language ``config``, or None (a text model)."""
+    if not isinstance(config.get("vision_config"), dict):
+        return None
+    try:
+        from mlx_vlm.utils import get_model_and_args
+    except ImportError:  # pragma: no cover - mlx-vlm is a dependency of the [vision] extra
+        return None
+    try:
+        _, model_type = get_model_and_args(config)
+    except (ValueError, KeyError, ImportError):
+        return None
+    return str(model_type)
+
+
+# --------------------------------------------------------------------- prompts
+
+
+@dataclass(frozen=True, slots=True)
+class ImageSpan:
+    """One picture in a prompt: its tokens ``[start, start + len(ids))``."""
+
+    start: int
+    ids: tuple[int, ...]
+    image: Image
+    #: The processor's pixel values and extra inputs (``image_grid_thw``, ...) for it alone.
+    pixel_values: Any
+    extra: dict[str, Any]
+
+    @property
+    def end(self) -> int:
+        return self.start + len(self.ids)
+
+
+@dataclass(slots=True)
+class Media:
+    """The pictures of one prompt (``PreparedRequest.media``)."""
+
+    spans: tuple[ImageSpan, ...]
+    #: Prompt ids as the prefix cache hashes them (image positions carry the digest).
+    hash_ids: list[int]
+    prompt_ids: list[int]
+    #: Multimodal RoPE: [3, P] positions of the prompt and the shift after it (lazy).
+    positions: np.ndarray | None = None
+    rope_delta: int = 0
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+
+
+def _hash_id(digest: str) -> int:
+    return _HASH_ID_BIT | int(digest[:7], 16)
+
+
+class Vision:
+    """A model's processor and its caches: prompt expansion and vision features.
+
+    Example::
+
+        prompt = vision.expand(prompt, request)   # image placeholders -> the model's tokens
+        feats = vision.features(span)            # [len(span.ids), hidden], cached by digest
+    """
+
+    def __init__(self, vlm: nn.Module, processor: Any, model_type: str) -> None:
+        self.vlm = vlm
+        self.processor = processor
+        self.model_type = model_type
+        tok = getattr(processor, "tokenizer", processor)
+        ph = getattr(processor, "boi_token", None) or getattr(processor, "image_token", None)
+        if not isinstance(ph, str):
+            raise ModelLoadError(f"the {model_type} processor names no image token")
+        self.placeholder = ph
+        ph_id = tok.convert_tokens_to_ids(ph)
+        if not isinstance(ph_id, int) or ph_id < 0:
+            raise ModelLoadError(f"the image token {ph!r} is not in the vocabulary")
+        self.placeholder_id = ph_id
+        self._features: OrderedDict[str, mx.array] = OrderedDict()
+        self._processed: OrderedDict[str, tuple[tuple[int, ...], Any, dict[str, Any]]] = (
+            OrderedDict()
+        )
+        self._lock = threading.Lock()
+        #: Vision-tower runs (a re-sent picture whose features are cached runs none).
+        self.encoded = 0
+
+    # ------------------------------------------------------------- any thread
+
+    def _process(self, image: Image) -> tuple[tuple[int, ...], Any, dict[str, Any]]:
+        """The processor on one picture: its token span, pixel values and extra inputs."""
+        with self._lock:
+            got = self._processed.get(image.digest)
+            if got is not None:
+                self._processed.move_to_end(image.digest)
+                return got
+        from mlx_vlm.utils import process_inputs
+
+        try:
+            out = process_inputs(
+                self.processor,
+                prompts=[self.placeholder],
+                images=[image.pixels],
+                add_special_tokens=False,
+                padding=False,
+            )
+        except Exception as e:
+            raise InvalidRequest(f"the image could not be processed: {e}", param="messages") from e
+        ids = tuple(int(t) for t in np.asarray(out["input_ids"]).reshape(-1).tolist())
+        extra = {
+            k: v
+            for k, v in dict(out).items()
+            if k not in ("input_ids", "attention_mask", "pixel_values", "token_type_ids")
+            and v is not None
+        }
+        # Host copies: arrays made here must not be lazy on this thread's stream.
+        extra = {k: np.asarray(v) for k, v in extra.items()}
+        got = (ids, np.asarray(out["pixel_values"]), extra)
+        with self._lock:
+            self._processed[image.digest] = got
+            while len(self._processed) > PROCESSOR_CACHE_IMAGES:
+                self._processed.popitem(last=False)
+        return got
+
+    def expand(self, prompt: Any, request: ChatRequest) -> Any:
+        """``prompt`` with each image placeholder the template wrote replaced by the
+        processor's tokens for that picture, and its :class:`Media` attached."""
+        images = [img for m in request.messages for img in m.images]
+        if not images:
+            return prompt
+        ids = list(prompt.ids)
+        at = [i for i, t in enumerate(ids) if t == self.placeholder_id]
+        if len(at) != len(images):
+            raise InvalidRequest(
+                f"the chat template placed {len(at)} image(s) but the request has {len(images)}",
+                param="messages",
+            )
+        out: list[int] = []
+        spans = []
+        prev = 0
+        for pos, image in zip(at, images, strict=True):
+            span_ids, pixels, extra = self._process(image)
+            out.extend(ids[prev:pos])
+            spans.append(ImageSpan(len(out), span_ids, image, pixels, extra))
+            out.extend(span_ids)
+            prev = pos + 1
+        out.extend(ids[prev:])
+        hash_ids = list(out)
+        for s in spans:
+            hash_ids[s.start : s.end] = [_hash_id(s.image.digest)] * len(s.ids)
+        last_user_at = prompt.last_user_at
+        if last_user_at is not None:
+            last_user_at += sum(
+                len(s.ids) - 1 for s, p in zip(spans, at, strict=True) if p < last_user_at
+            )
+        media = Media(tuple(spans), hash_ids, out)
+        return replace(prompt, ids=out, last_user_at=last_user_at, media=media)
+
+    # ------------------------------------------------------------- engine thread
+
+    def features(self, span: ImageSpan) -> mx.array:
+        """[len(span.ids), hidden]: the embeddings of ``span`` (the vision tower's output
+        at the image tokens, the token embeddings elsewhere), cached by digest."""
+        digest = span.image.digest
+        got = self._features.get(digest)
+        if got is not None and got.shape[0] == len(span.ids):
+            self._features.move_to_end(digest)
+            return got
+        ids = mx.array([list(span.ids)], dtype=mx.int32)
+        pixels = span.pixel_values
+        if not isinstance(pixels, mx.array):
+            pixels = mx.array(np.asarray(pixels))
+        extra = {
+            k: v if isinstance(v, mx.array) else mx.array(np.asarray(v))
+            for k, v in span.extra.items()
+        }
+        emb = self.vlm.get_input_embeddings(
+            ids, pixels, mask=mx.ones(ids.shape, dtype=mx.int32), **extra
+        )
+        got = emb.inputs_embeds[0]
+        mx.eval(got)
+        self.encoded += 1
+        self._features[digest] = got
+        while len(self._features) > FEATURE_CACHE_IMAGES:
+            self._features.popitem(last=False)
+        return got
+
+    def positions(self, media: Media) -> tuple[np.ndarray, int]:
+        """Multimodal RoPE of ``media``'s prompt: [3, P] positions and the delta after it."""
+        with media._lock:
+            if media.positions is None:
+                lm = self.vlm.language_model
+                grids = [s.extra["image_grid_thw"] for s in media.spans]
+                grid = mx.concatenate(
+                    [g if isinstance(g, mx.array) else mx.array(np.asarray(g)) for g in grids]
+                )
+                ids = mx.array([media.prompt_ids], dtype=mx.int32)
+                pos, delta = lm.get_rope_index(ids, grid, None, mx.ones(ids.shape, dtype=mx.int32))
+                media.positions = np.asarray(pos).reshape(3, -1).astype(np.int64)
+                media.rope_delta = int(np.asarray(delta).reshape(-1)[0])
+            return media.positions, media.rope_delta
+
+
+# --------------------------------------------------------------------- the model
+
+
+class VisionZooModel(ZooModel):
+    """The language model of an mlx-vlm model in the engine's interface, taking pictures.
+
+    ``model(tokens, cache, feeds)``: ``feeds`` gives per row ``(media, start, n)``
+    (media None for a text row): the rows' image spans inside ``[start, start + n)``
+    are fed their features instead of the token embeddings.
+    """
+
+    takes_images = True
+
+    def __init__(self, vlm: nn.Module, config: dict[str, Any], vision: Vision) -> None:
+        super().__init__(vlm.language_model, config)
+        self.vlm = vlm
+        self.vision = vision
+        lm = vlm.language_model
+        self.mrope = hasattr(lm, "get_rope_index")
+        if self._backbone is None:
+            raise ModelLoadError(
+                f"the {config.get('model_type')} language model does not split into layers and a head"
+            )
+        self._embed = self._backbone.embed_tokens
+        if self.mrope:
+            tied = getattr(getattr(lm, "args", None), "tie_word_embeddings", False)
+            self._head = self._embed.as_linear if tied or not hasattr(lm, "lm_head") else lm.lm_head
+        self.vocab_size = int(self.vocab_size or self._embed.weight.shape[0])
+
+    def modules(self) -> list[nn.Module]:
+        return self.vlm.modules()  # type: ignore[no-any-return]
+
+    def named_modules(self) -> list[tuple[str, nn.Module]]:
+        return self.vlm.named_modules()  # type: ignore[no-any-return]
+
+    def parameters(self) -> dict[str, Any]:
+        return self.vlm.parameters()  # type: ignore[no-any-return]
+
+    def logits(self, hidden: mx.array) -> mx.array:
+        if self.mrope:
+            return self._head(hidden).astype(mx.float32)  # type: ignore[no-any-return]
+        assert self._head_self is not None
+        out = type(self._head_owner).__call__(self._head_self, hidden)
+        out = getattr(out, "logits", out)
+        return out.astype(mx.float32)  # type: ignore[no-any-return]
+
+    def __call__(self, tokens: mx.array, cache: Any, feeds: Any = None) -> mx.array:
+        caches = cache.layer_caches(self)
+        assert self._backbone is not None
+        has_media = feeds is not None and any(f[0] is not None for f in feeds)
+        kwargs: dict[str, Any] = {}
+        if self.mrope:
+            kwargs["position_ids"] = self._positions(tokens.shape, cache, feeds)
+        if not has_media:
+            return self._backbone(tokens, cache=caches, **kwargs)  # type: ignore[no-any-return]
+        emb = self._embed(tokens)
+        for b, (media, start, n) in enumerate(feeds):
+            if media is None:
+                continue
+            for span in media.spans:
+                lo, hi = max(span.start, start), min(span.end, start + n)
+                if lo >= hi:
+                    continue
+                feats = self.vision.features(span)
+                emb[b, lo - start : hi - start] = feats[lo - span.start : hi - span.start].astype(
+                    emb.dtype
+                )
+        return self._backbone(tokens, inputs_embeds=emb, cache=caches, **kwargs)  # type: ignore[no-any-return]
+
+    def _positions(self, shape: tuple[int, ...], cache: Any, feeds: Any) -> mx.array:
+        """[3, B, L] multimodal RoPE positions of a call's rows."""
+        b, n = shape[0], shape[1]
+        offs = np.asarray(
+            getattr(cache, "_np_offs", None) if hasattr(cache, "_np_offs") else cache.offsets,
+            dtype=np.int64,
+        ).reshape(-1)
+        if offs.size == 1 and b > 1:
+            offs = np.full(b, int(offs[0]))
+        pos = np.broadcast_to(offs[:, None] + np.arange(n)[None, :], (3, b, n)).copy()
+        if feeds is not None:
+            for row, (media, start, _) in enumerate(feeds):
+                if media is None:
+                    continue
+                table, delta = self.vision.positions(media)
+                want = start + np.arange(n)
+                inside = want < table.shape[1]
+                got = np.where(
+                    inside[None, :], table[:, np.minimum(want, table.shape[1] - 1)], want + delta
+                )
+                pos[:, row, :] = got
+        return mx.array(pos.astype(np.int32))
+
+
+# --------------------------------------------------------------------- loading
+
+
+def load_vision_model(
+    folder: Path, dtype: str, keep_quantized: bool | None
+) -> tuple[VisionZooModel, Vision, dict[str, Any], str]:
+    """mlx-vlm's model and processor for ``folder``, wrapped for the engine."""
+    from mlx_vlm.utils import load_config, load_model, load_processor
+
+    from mlx_cairn.models.weights import dtype_name, resolve_dtype
+
+    config = load_config(folder)
+    model_type = vision_model_type(config)
+    if model_type is None:
+        raise ModelLoadError(f"mlx-vlm has no vision model {config.get('model_type')!r}")
+    try:
+        vlm = load_model(folder, lazy=True)
+        processor = load_processor(folder, add_detokenizer=False)
+    except Exception as e:
+        raise ModelLoadError(
+            f"cannot load {folder.name} (vision model_type {model_type!r}) with mlx-vlm: "
+            f"{type(e).__name__}: {e}"
+        ) from None
+    compute, dequant = resolve_dtype(dtype, checkpoint_dtype(vlm))
+    if keep_quantized is not None:
+        dequant = not keep_quantized
+    if dequant:
+        dequantize_model(vlm, compute)
+    cast_floats(vlm, compute)
+    mx.eval(vlm.parameters())
+    vlm.eval()
+    vision = Vision(vlm, processor, model_type)
+    text_config = dict(config.get("text_config") or config)
+    text_config.setdefault("model_type", model_type)
+    full = {**config, "vocab_size": text_config.get("vocab_size") or config.get("vocab_size")}
+    model = VisionZooModel(vlm, full, vision)
+    return model, vision, config, dtype_name(compute)
