@@ -1,0 +1,218 @@
+"""Vision-language models on the engine (issue 34): tiny random-weight checkpoints per
+architecture, written with mlx-vlm's own classes; greedy tokens of image prompts,
+batched with other requests through our Engine, equal mlx-vlm's own generation on the
+same folder; the prefix cache and the feature cache know the picture."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+pytest.importorskip("mlx_vlm")
+
+from PIL import Image as PILImage
+
+from mlx_cairn.engine import Engine
+from mlx_cairn.engine.testing import assert_at_rest
+from mlx_cairn.models import load
+from mlx_cairn.models.testing_vision import tiny_vision_folder
+from mlx_cairn.types import (
+    IMAGE_MARK,
+    Admitted,
+    ChatRequest,
+    Done,
+    Image,
+    Message,
+    SamplingParams,
+    TokenLogprob,
+)
+
+#: Picture size per architecture (the processor's smallest, so each test runs in seconds).
+SIZES = {"gemma3": (28, 28), "qwen2_5_vl": (56, 56)}
+ARCHES = list(SIZES)
+
+
+@pytest.fixture(scope="module", params=ARCHES)
+def model(request: Any, tmp_path_factory: Any) -> tuple[str, Any, Path]:
+    arch = request.param
+    folder = tiny_vision_folder(arch, tmp_path_factory.mktemp(arch))
+    return arch, load(str(folder)), folder
+
+
+@pytest.fixture(scope="module")
+def mlx_vlm_model(model: tuple[str, Any, Path]) -> tuple[Any, Any]:
+    from mlx_vlm.utils import load as vlm_load
+
+    return vlm_load(str(model[2]))
+
+
+def picture(arch: str, seed: int) -> Image:
+    w, h = SIZES[arch]
+    rng = np.random.default_rng(seed)
+    return Image.from_pil(PILImage.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8)))
+
+
+def ask(
+    text: str, images: list[Image], max_tokens: int = 8, history: Any = (), logprobs: bool = False
+) -> ChatRequest:
+    content = IMAGE_MARK * len(images) + text
+    return ChatRequest(
+        messages=[*history, Message("user", content, images=list(images))],
+        max_tokens=max_tokens,
+        sampling=SamplingParams(temperature=0.0, logprobs=logprobs),
+    )
+
+
+def mlx_vlm_greedy(
+    lm: Any, vlm: tuple[Any, Any], req: ChatRequest
+) -> tuple[list[int], list[float]]:
+    """mlx-vlm's own generation on the same prompt: its processor over the rendered text
+    (whose ids must be ours), its model, its caches."""
+    from mlx_vlm.generate.ar import generate_step
+    from mlx_vlm.utils import prepare_inputs
+
+    model, processor = vlm
+    prompt = lm.prompt(req)
+    pics = [im.pixels for m in req.messages for im in m.images]
+    inputs = prepare_inputs(processor, images=pics, prompts=prompt.text)
+    ids = inputs["input_ids"]
+    assert ids[0].tolist() == prompt.ids  # the processor's own expansion of the whole prompt
+    extra = {
+        k: v
+        for k, v in inputs.items()
+        if k not in ("input_ids", "pixel_values", "attention_mask") and v is not None
+    }
+    out: list[int] = []
+    logprobs: list[float] = []
+    for tok, lp in generate_step(
+        ids,
+        model,
+        inputs["pixel_values"],
+        inputs["attention_mask"],
+        max_tokens=req.max_tokens,
+        temperature=0.0,
+        **extra,
+    ):
+        out.append(int(tok))
+        logprobs.append(float(lp[int(tok)].item()))
+        if tok in lm.eos_token_ids:
+            break
+    return out, logprobs
+
+
+def run(
+    engine: Engine, reqs: list[ChatRequest], logprobs: list[list[float]] | None = None
+) -> list[tuple[list[int], Done, Admitted]]:
+    streams = [engine.submit(r) for r in reqs]
+    out = []
+    for s in streams:
+        events = list(s.iter_sync(timeout=120.0))
+        done = events[-1]
+        assert isinstance(done, Done), done
+        admitted = next(e for e in events if isinstance(e, Admitted))
+        out.append((list(s.output_ids), done, admitted))
+        if logprobs is not None:
+            logprobs.append([e.logprob for e in events if isinstance(e, TokenLogprob)])
+    return out
+
+
+def test_loads_as_a_vision_model(model: tuple[str, Any, Path]) -> None:
+    _arch, lm, _ = model
+    assert lm.takes_images is True
+    assert lm.vision is not None
+    # A text request renders and counts as for any model.
+    assert lm.prompt(ChatRequest(messages=[Message("user", "Hi")])).media is None
+
+
+def test_template_gets_content_parts(model: tuple[str, Any, Path]) -> None:
+    """Text on both sides of the picture survives the template (parts, not a string)."""
+    arch, lm, _ = model
+    img = picture(arch, 0)
+    req = ChatRequest(
+        messages=[Message("user", f"before {IMAGE_MARK} after", images=[img])], max_tokens=4
+    )
+    p = lm.prompt(req)
+    assert "before" in p.text and "after" in p.text
+    assert len(p.media.spans) == 1
+    span = p.media.spans[0]
+    assert p.ids[span.start : span.end] == list(span.ids)
+    assert len(span.ids) > 1  # expanded to the model's image tokens
+
+
+def test_greedy_equals_mlx_vlm_batched(
+    model: tuple[str, Any, Path], mlx_vlm_model: tuple[Any, Any]
+) -> None:
+    """Image prompts (one picture, two pictures, a picture again) batched with a text
+    prompt, prefilled in chunks that cut through the image tokens, decoded together:
+    each row's greedy tokens, and their log-probabilities, are mlx-vlm's own."""
+    arch, lm, _ = model
+    a, b = picture(arch, 1), picture(arch, 2)
+    reqs = [
+        ask("What is this?", [a], logprobs=True),
+        ask("Hello there", []),
+        ask("Compare them.", [a, b], logprobs=True),
+        ask("Describe it", [b], logprobs=True),
+    ]
+    with Engine(lm, num_blocks=96, block_size=4, step_token_budget=8) as engine:
+        lps: list[list[float]] = []
+        got = run(engine, reqs, lps)
+        for req, (ids, done, _), lp in zip(reqs, got, lps, strict=True):
+            assert done.usage.input_tokens == engine.count_tokens(req)
+            assert done.usage.input_tokens == len(lm.prompt(req).ids)
+            assert ids  # an empty answer would compare equal too
+            if req.messages[-1].images:
+                want, want_lp = mlx_vlm_greedy(lm, mlx_vlm_model, req)
+                assert ids == want, req.messages[-1].content
+                # The same distribution, not only the same argmax.
+                np.testing.assert_allclose(lp, want_lp, atol=2e-3)
+        assert_at_rest(engine)
+
+
+def test_prefix_cache_knows_the_picture(model: tuple[str, Any, Path]) -> None:
+    """Next turn with the same picture reads the KV of the whole first turn (the image
+    included) from the cache; the same text with another picture shares nothing past
+    the block holding that picture's first token; each answers its own picture."""
+    arch, lm, _ = model
+    a, b = picture(arch, 3), picture(arch, 4)
+    bs = 4
+    first = ask("What is this?", [a])
+    with Engine(lm, num_blocks=128, block_size=bs) as engine:
+        [(ids1, _done1, _)] = run(engine, [first])
+        encoded = lm.vision.encoded
+        turn2 = ask(
+            "And now?",
+            [],
+            history=[*first.messages, Message("assistant", lm.tokenizer.decode(ids1))],
+        )
+        [(_, _done2, adm2)] = run(engine, [turn2])
+        span = lm.prompt(first).media.spans[0]
+        assert adm2.cached_tokens >= span.end, (adm2.cached_tokens, span.end)
+        assert lm.vision.encoded == encoded  # the cached KV covered it: no features needed
+        other = ask("What is this?", [b])
+        [(ids_b, _, adm_b)] = run(engine, [other])
+        assert adm_b.cached_tokens <= span.start // bs * bs, (adm_b.cached_tokens, span.start)
+        assert lm.vision.encoded == encoded + 1
+        assert_at_rest(engine)
+    # Each picture's answer is the one a fresh engine gives it alone.
+    for req, want in ((first, ids1), (other, ids_b)):
+        with Engine(lm, num_blocks=64, block_size=bs) as fresh:
+            [(alone, _, _)] = run(fresh, [req])
+        assert alone == want
+
+
+def test_resent_picture_is_not_encoded_again(model: tuple[str, Any, Path]) -> None:
+    """A picture whose KV is gone (another engine, no shared prefix) still reuses its
+    vision features: the tower runs once per picture."""
+    arch, lm, _ = model
+    pic = picture(arch, 5)
+    with Engine(lm, num_blocks=64, block_size=4) as engine:
+        run(engine, [ask("One", [pic])])
+        n = lm.vision.encoded
+        moved = ask("Two words", [pic], history=[Message("user", "x"), Message("assistant", "y")])
+        [(_, _, adm)] = run(engine, [moved])
+        assert adm.cached_tokens <= lm.prompt(moved).media.spans[0].start  # no KV of the picture
+        assert lm.vision.encoded == n
+        assert_at_rest(engine)
