@@ -73,7 +73,16 @@ def load(client: TestClient, model: str = "scripted") -> None:
 def test_model_shapes(client: TestClient) -> None:
     load(client)
     a = client.get("/v1/models/scripted", headers=ANTHROPIC).json()
-    assert set(a) == {"type", "id", "display_name", "created_at", "loaded", "context_length"}
+    assert set(a) == {
+        "type",
+        "id",
+        "display_name",
+        "created_at",
+        "loaded",
+        "context_length",
+        "capabilities",
+    }
+    assert a["capabilities"] == {"vision": False}
     assert a["type"] == "model" and a["id"] == "scripted" and a["created_at"].endswith("Z")
     o = client.get("/v1/models/scripted", headers=KEY).json()
     assert o == {
@@ -82,6 +91,7 @@ def test_model_shapes(client: TestClient) -> None:
         "created": o["created"],
         "owned_by": "mlx-cairn",
         "loaded": True,
+        "capabilities": {"vision": False},
         "context_length": 8192,
         "max_model_len": 8192,
     }
@@ -99,6 +109,7 @@ def test_model_ids_resolve_like_generation_requests(client: TestClient) -> None:
             "created": created,
             "owned_by": "mlx-cairn",
             "loaded": True,
+            "capabilities": {"vision": False},
             "context_length": 8192,
             "max_model_len": 8192,
         }
@@ -163,6 +174,7 @@ def test_sdks_see_the_context_length(client: TestClient) -> None:
         models = {m.id: m for m in o.models.list()}
         assert models["scripted"].model_extra == {
             "loaded": True,
+            "capabilities": {"vision": False},
             "context_length": 8192,
             "max_model_len": 8192,
         }

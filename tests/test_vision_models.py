@@ -216,3 +216,22 @@ def test_resent_picture_is_not_encoded_again(model: tuple[str, Any, Path]) -> No
         assert adm.cached_tokens <= lm.prompt(moved).media.spans[0].start  # no KV of the picture
         assert lm.vision.encoded == n
         assert_at_rest(engine)
+
+
+def test_model_listing_says_vision(model: tuple[str, Any, Path], tmp_path: Path) -> None:
+    """``/v1/models`` entries carry ``capabilities.vision``: from the folder before a
+    load, from the loaded model after; a text folder says False."""
+    from mlx_cairn.api.app import _with_loaded
+    from mlx_cairn.api.registry import ServedModel, _info
+
+    _, lm, folder = model
+    text = tmp_path / "text"
+    text.mkdir()
+    (text / "config.json").write_text('{"model_type": "qwen3"}')
+    infos = [
+        _info("v", ServedModel(names=["v"], source=str(folder))),
+        _info("v2", ServedModel(names=["v2"], source="elsewhere", loaded=lm)),
+        _info("t", ServedModel(names=["t"], source=str(text))),
+    ]
+    body = _with_loaded({"data": [{} for _ in infos]}, infos)
+    assert [e["capabilities"]["vision"] for e in body["data"]] == [True, True, False]

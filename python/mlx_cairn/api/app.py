@@ -289,9 +289,11 @@ async def get_model(request: Request, model_id: str) -> Response:
 
 def _with_loaded(body: dict[str, Any], infos: list[Any]) -> dict[str, Any]:
     """Add ``loaded`` (bool) to each entry of either shape: every name that can be
-    served is listed, loaded or not (it loads on the first request that names it)."""
+    served is listed, loaded or not (it loads on the first request that names it);
+    and ``capabilities.vision``: whether the model takes images."""
     for entry, info in zip(body["data"], infos, strict=True):
         entry["loaded"] = bool(info.loaded)
+        entry["capabilities"] = {"vision": bool(info.vision)}
     return body
 
 

@@ -56,6 +56,8 @@ class ModelInfo:
     #: The most tokens (prompt + answer) one request may hold; None until the
     #: model has been loaded once (it is read from the loaded model).
     context_length: int | None = None
+    #: The model reads pictures (from the loaded model, else its folder's config).
+    vision: bool = False
 
 
 @dataclass(frozen=True)

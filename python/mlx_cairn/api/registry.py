@@ -48,6 +48,7 @@ import concurrent.futures
 import contextlib
 import fnmatch
 import gc
+import json
 import logging
 import math
 import threading
@@ -883,7 +884,26 @@ def _clear_mlx_cache() -> None:
 
 
 def _info(name: str, sm: ServedModel) -> ModelInfo:
-    return ModelInfo(name, sm.name, sm.created, sm.engine is not None, sm.context_length)
+    return ModelInfo(
+        name, sm.name, sm.created, sm.engine is not None, sm.context_length, _takes_images(sm)
+    )
+
+
+def _takes_images(sm: ServedModel) -> bool:
+    """Whether ``sm`` reads pictures: the loaded model says; before a load, a local
+    folder whose config.json has a ``vision_config`` (models/vision.py loads those)."""
+    if sm.loaded is not None:
+        return bool(getattr(sm.loaded, "takes_images", False))
+    if not sm.source:
+        return False
+    config = Path(sm.source).expanduser() / "config.json"
+    try:
+        if not config.is_file():
+            return False
+        data = json.loads(config.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return False
+    return isinstance(data, dict) and isinstance(data.get("vision_config"), dict)
 
 
 def _context_length(engine: Any, loaded: Any) -> int | None:
