@@ -198,7 +198,7 @@ def test_tool_results_with_text_and_unknown_ids() -> None:
                     "content": [{"type": "text", "text": "B"}],
                 },
                 {"type": "tool_result", "tool_use_id": "a", "content": "A"},
-                {"type": "image", "source": {"type": "base64", "data": ""}},
+                {"type": "document", "source": {"type": "text", "data": ""}},
             ],
         },
     ]
@@ -208,7 +208,7 @@ def test_tool_results_with_text_and_unknown_ids() -> None:
         ("tool", "a", "A"),
         ("tool", "b", "B"),
         ("tool", "zzz", "?"),
-        ("user", None, "here you go\n[image omitted: this model reads text only]"),
+        ("user", None, "here you go\n[document omitted: this model reads text only]"),
     ]
     assert r.chat.messages[2].name == "f" and r.chat.messages[3].name == "g"
 

@@ -9,10 +9,13 @@ client accumulating those very lines, read back from the NDJSON bytes, gets.
 
 from __future__ import annotations
 
+import base64
+import io
 import math
 from typing import Any
 
 import orjson
+import PIL.Image
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
@@ -312,7 +315,11 @@ def test_generate_shapes() -> None:
     )
     r = gen(prompt="def f(", suffix="\n    return 1")
     assert (r.chat.raw.text, r.chat.raw.suffix) == ("def f(", "\n    return 1")
-    assert gen(prompt="x", images=["aGk="]).images == 1
+    pixel = io.BytesIO()
+    PIL.Image.new("RGB", (1, 1)).save(pixel, "PNG")
+    assert gen(prompt="x", images=[base64.b64encode(pixel.getvalue()).decode()]).images == 1
+    with pytest.raises(InvalidRequest, match=r"^images\[0\]: is not a PNG"):
+        gen(prompt="x", images=["aGk="])
     with pytest.raises(InvalidRequest, match=r"^template: not supported"):
         gen(prompt="x", template="{{ .Prompt }}")
     with pytest.raises(InvalidRequest, match=r"^context: "):

@@ -9,11 +9,14 @@ obey the wire rules.
 
 from __future__ import annotations
 
+import base64
+import io
 import json
 import math
 from typing import Any
 
 import openai
+import PIL.Image
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
@@ -30,6 +33,7 @@ from mlx_cairn.protocol.openai_common import TextGate
 from mlx_cairn.protocol.openai_responses import ResponseNotFound, parse_responses_request
 from mlx_cairn.protocol.openai_responses_stream import ResponsesCodec
 from mlx_cairn.types import (
+    IMAGE_MARK,
     Done,
     Error,
     Event,
@@ -274,6 +278,10 @@ def test_responses_failure_events() -> None:
 
 # --------------------------------------------------------------- mapping
 
+_PIXEL = io.BytesIO()
+PIL.Image.new("RGB", (1, 1)).save(_PIXEL, "PNG")
+_PIXEL_URL = "data:image/png;base64," + base64.b64encode(_PIXEL.getvalue()).decode()
+
 
 def test_chat_mapping() -> None:
     req = parse_chat_request(
@@ -285,7 +293,7 @@ def test_chat_mapping() -> None:
                     "role": "user",
                     "content": [
                         {"type": "text", "text": "a"},
-                        {"type": "image_url", "image_url": {"url": "x"}},
+                        {"type": "image_url", "image_url": {"url": _PIXEL_URL}},
                     ],
                 },
                 {
@@ -320,7 +328,7 @@ def test_chat_mapping() -> None:
     )
     m = req.chat.messages
     assert [x.role for x in m] == ["system", "user", "assistant", "tool"]
-    assert m[1].content.startswith("a[image_url omitted")
+    assert m[1].content == "a" + IMAGE_MARK and len(m[1].images) == 1
     assert m[2].reasoning == "r" and m[2].tool_calls == [ToolCall("c1", "f", "{}")]
     assert m[3].tool_call_id == "c1" and m[3].name == "f"
     assert [t.name for t in req.chat.tools] == ["g"] and req.chat.tool_choice == {"name": "g"}

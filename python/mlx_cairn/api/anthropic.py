@@ -20,6 +20,7 @@ from mlx_cairn.protocol.anthropic import (
 )
 from mlx_cairn.protocol.anthropic_stream import AnthropicCodec, error_payload
 from mlx_cairn.protocol.base import check_depth
+from mlx_cairn.protocol.images import ImageReader, fetch_pending, has_images, refuse_images
 
 
 def _error_body(status: int, kind: str, message: str, param: str | None) -> dict[str, Any]:
@@ -62,7 +63,11 @@ router = APIRouter()
 
 
 def _parse(body: Any, state: AppState) -> AnthropicRequest:
-    return parse_messages_request(body, max_tokens_limit=state.config.max_tokens_limit)
+    return parse_messages_request(
+        body,
+        max_tokens_limit=state.config.max_tokens_limit,
+        images=ImageReader(state.config.images),
+    )
 
 
 def _codec(
@@ -89,7 +94,15 @@ async def count_tokens(request: Request) -> Response:
     state = app_state(request)
     body = await read_json(request)
     check_depth(body)
-    areq = parse_count_tokens_request(body)
+    limits = state.config.images
+    areq = await asyncio.to_thread(parse_count_tokens_request, body, images=ImageReader(limits))
+    if has_images(areq.chat):
+        refuse_images(areq.chat, state.registry.resolve(areq.model), areq.model, "messages")
+        await fetch_pending(areq.chat, limits)
     sm = await state.registry.get(areq.model)
-    n = await asyncio.to_thread(count_prompt_tokens, sm, areq.chat)
+    try:
+        refuse_images(areq.chat, sm, areq.model, "messages")
+        n = await asyncio.to_thread(count_prompt_tokens, sm, areq.chat)
+    finally:
+        sm.release()  # idempotent: count_tokens gives it back already
     return json_response({"input_tokens": n})

@@ -43,6 +43,7 @@ from mlx_cairn.api.runner import serve_generation
 from mlx_cairn.api.state import AppState, app_state, json_response, read_json
 from mlx_cairn.errors import InvalidRequest, ModelNotFound, NotSupported
 from mlx_cairn.protocol.base import check_depth, required_model
+from mlx_cairn.protocol.images import ImageReader, takes_images
 from mlx_cairn.protocol.ollama import (
     LoadRequest,
     OllamaRequest,
@@ -91,18 +92,14 @@ async def _generation(request: Request, shape: Shape) -> Response:
     parse = parse_chat_request if shape == "chat" else parse_generate_request
 
     def parsed(b: Any, st: AppState) -> OllamaRequest:
-        req = parse(b, max_tokens_limit=st.config.max_tokens_limit)
+        req = parse(
+            b, max_tokens_limit=st.config.max_tokens_limit, images=ImageReader(st.config.images)
+        )
         # Leased under its served name; the answers echo the name as written.
         req.model = req.chat.model = served_name(st.registry, req.echo)
         return req
 
     def codec(req: OllamaRequest, st: AppState, sm: ServedModel, input_tokens: int) -> OllamaCodec:
-        if req.images and not takes_images(sm):
-            raise InvalidRequest(
-                f"model {req.model!r} does not read images; send text only, or serve a "
-                "vision model",
-                param="images",
-            )
         st.registry.keep_alive(sm.name, req.keep_alive)  # Ollama: each request sets it
         return OllamaCodec(
             model=req.echo,
@@ -151,11 +148,6 @@ def served_name(registry: ModelRegistry, name: str) -> str:
         bare = name.removesuffix(":latest")
         registry.resolve(bare)
         return bare
-
-
-def takes_images(sm: Any) -> bool:
-    """Whether the model reads images (none of the text models served today does)."""
-    return bool(getattr(getattr(sm, "loaded", None), "takes_images", False))
 
 
 # ------------------------------------------------------------------ models

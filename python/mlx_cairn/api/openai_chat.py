@@ -16,6 +16,7 @@ from mlx_cairn.api.dialects import Dialect
 from mlx_cairn.api.registry import ServedModel
 from mlx_cairn.api.runner import serve_generation
 from mlx_cairn.api.state import AppState
+from mlx_cairn.protocol.images import ImageReader
 from mlx_cairn.protocol.openai_chat import ChatCodec, OpenAIChatRequest, parse_chat_request
 from mlx_cairn.protocol.openai_common import error_body, models_body
 
@@ -31,7 +32,11 @@ router = APIRouter()
 
 
 def _parse(body: Any, state: AppState) -> OpenAIChatRequest:
-    return parse_chat_request(body, max_tokens_limit=state.config.max_tokens_limit)
+    return parse_chat_request(
+        body,
+        max_tokens_limit=state.config.max_tokens_limit,
+        images=ImageReader(state.config.images),
+    )
 
 
 def _codec(

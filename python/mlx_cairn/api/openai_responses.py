@@ -37,6 +37,7 @@ from mlx_cairn.api.dialects import Dialect
 from mlx_cairn.api.registry import ServedModel
 from mlx_cairn.api.runner import serve_generation
 from mlx_cairn.api.state import AppState, app_state, json_response
+from mlx_cairn.protocol.images import ImageReader, strip_marks
 from mlx_cairn.protocol.openai_common import error_body, models_body
 from mlx_cairn.protocol.openai_responses import (
     ResponseNotFound,
@@ -129,7 +130,9 @@ class ResponseStore:
         A response larger than ``max_bytes`` on its own is not kept (nor
         does it evict anything).
         """
-        size = len(orjson.dumps(messages)) + len(json_bytes(body))
+        # Pictures count as their decoded RGB bytes (what they hold in memory).
+        pixels = sum(3 * i.width * i.height for m in messages for i in m.images)
+        size = len(orjson.dumps(messages, default=lambda _: None)) + len(json_bytes(body)) + pixels
         with self._lock:
             self._expire()
             self._drop(rid)
@@ -180,6 +183,7 @@ def _parse(body: Any, state: AppState) -> ResponsesRequest:
         body,
         max_tokens_limit=state.config.max_tokens_limit,
         lookup=lambda rid: store.get(rid, "previous_response_id").messages,
+        images=ImageReader(state.config.images),
     )
 
 
@@ -190,7 +194,8 @@ def _codec(
     history = req.history
 
     def keep(body: dict[str, Any]) -> None:
-        store.put(body["id"], history + parse_input(body["output"], "output"), body)
+        output = parse_input(strip_marks(body["output"]), "output")  # text only: no images
+        store.put(body["id"], history + output, body)
 
     chat = req.chat
     return ResponsesCodec(

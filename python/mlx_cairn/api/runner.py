@@ -70,6 +70,7 @@ from mlx_cairn.api.state import AppState, app_state, read_json
 from mlx_cairn.errors import CairnError, ContextLengthExceeded, error_kind
 from mlx_cairn.models.embedding import model_kind, not_a_chat_model
 from mlx_cairn.protocol.base import Codec, Framing, WireEvent, check_depth, framing_of
+from mlx_cairn.protocol.images import fetch_pending, has_images, refuse_images
 from mlx_cairn.protocol.sse import json_bytes
 from mlx_cairn.types import ChatRequest, Done, Error, Event
 
@@ -151,6 +152,10 @@ async def serve_generation(
     sm = state.registry.resolve(req.model)  # ModelNotFound (404) for an unknown name
     if model_kind(sm.loaded, sm.source) == "embedding":  # refused before it loads
         raise not_a_chat_model(req.model)
+    if has_images(req.chat):
+        if sm.loaded is not None:  # known without a load: refused before any fetch
+            refuse_images(req.chat, sm, req.model, req.prompt_param)
+        await fetch_pending(req.chat, state.config.images)  # --allow-image-urls only
     begin = start or _start
     if not req.stream:
         return await begin(state, dialect, req, make_codec)
@@ -188,6 +193,7 @@ async def _start(
     announce = getattr(lease.engine, "announce", None)
     arrived = announce() if announce is not None else None
     try:
+        refuse_images(req.chat, lease, req.model, req.prompt_param)  # a text model: 400
         clamp = state.config.clamp_max_tokens or req.open_ended
         prepared = await prepare_generation(
             lease,

@@ -41,6 +41,13 @@ from mlx_cairn.api.state import (
     ServerConfig,
     cors_origin,
 )
+from mlx_cairn.protocol.images import (
+    DEFAULT_IMAGE_URL_TIMEOUT,
+    DEFAULT_MAX_IMAGE_BYTES,
+    DEFAULT_MAX_IMAGE_PIXELS,
+    DEFAULT_MAX_IMAGES,
+    ImageLimits,
+)
 from mlx_cairn.types import (
     DEFAULT_KV_GROUP_SIZE,
     DEFAULT_NUM_SPECULATIVE,
@@ -217,6 +224,10 @@ def build(
         ("--shutdown-grace", args.shutdown_grace, 0, True),
         ("--header-timeout", args.header_timeout, 0, False),
         ("--body-timeout", args.body_timeout, 0, False),
+        ("--max-image-pixels", getattr(args, "max_image_pixels", None), 1, True),
+        ("--max-image-bytes", getattr(args, "max_image_bytes", None), 1, True),
+        ("--max-images", getattr(args, "max_images", None), 0, True),
+        ("--image-url-timeout", getattr(args, "image_url_timeout", None), 0, False),
     ):
         if value is None:
             continue
@@ -321,8 +332,20 @@ def build(
         cors_origins=tuple(dict.fromkeys(args.cors_origin)),
         header_timeout=args.header_timeout,
         body_timeout=args.body_timeout,
+        images=ImageLimits(
+            max_pixels=getattr(args, "max_image_pixels", None) or DEFAULT_MAX_IMAGE_PIXELS,
+            max_bytes=getattr(args, "max_image_bytes", None) or DEFAULT_MAX_IMAGE_BYTES,
+            max_images=_or(getattr(args, "max_images", None), DEFAULT_MAX_IMAGES),
+            allow_urls=bool(getattr(args, "allow_image_urls", False)),
+            url_timeout=getattr(args, "image_url_timeout", None) or DEFAULT_IMAGE_URL_TIMEOUT,
+        ),
     )
     return registry, config
+
+
+def _or(value: Any, default: Any) -> Any:
+    """``value``, or ``default`` where it is None (0 is a value)."""
+    return default if value is None else value
 
 
 #: The fewest tokens a KV pool must hold to serve anything useful (a short chat
@@ -593,6 +616,43 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="when prompt + max_tokens exceed the context, generate up to the context "
         "instead of answering 400 (useful for Claude Code, which asks for 32k)",
+    )
+    p.add_argument(
+        "--max-image-pixels",
+        type=at_least(1),
+        default=DEFAULT_MAX_IMAGE_PIXELS,
+        metavar="N",
+        help="largest image accepted, in pixels (width x height), checked from its header "
+        f"before it is decoded (400 above it; default {DEFAULT_MAX_IMAGE_PIXELS})",
+    )
+    p.add_argument(
+        "--max-image-bytes",
+        type=at_least(1),
+        default=DEFAULT_MAX_IMAGE_BYTES,
+        metavar="N",
+        help=f"largest image accepted, in bytes once base64 is decoded or as fetched "
+        f"(default {DEFAULT_MAX_IMAGE_BYTES}, 20 MiB)",
+    )
+    p.add_argument(
+        "--max-images",
+        type=at_least(0),
+        default=DEFAULT_MAX_IMAGES,
+        metavar="N",
+        help=f"most images in one request (default {DEFAULT_MAX_IMAGES}; 0 refuses images)",
+    )
+    p.add_argument(
+        "--allow-image-urls",
+        action="store_true",
+        help="fetch http(s) image URLs that requests name (default: such a request is a 400; "
+        "only inline images, base64 or data: URLs, are read)",
+    )
+    p.add_argument(
+        "--image-url-timeout",
+        type=positive,
+        default=DEFAULT_IMAGE_URL_TIMEOUT,
+        metavar="SECONDS",
+        help=f"time one image URL may take to fetch, with --allow-image-urls "
+        f"(default {DEFAULT_IMAGE_URL_TIMEOUT:g})",
     )
     p.add_argument(
         "--cors-origin",

@@ -16,6 +16,7 @@ from mlx_cairn.api.connection import DEFAULT_BODY_TIMEOUT, DEFAULT_HEADER_TIMEOU
 from mlx_cairn.api.dialects import DialectSet
 from mlx_cairn.api.registry import ModelRegistry
 from mlx_cairn.errors import InvalidRequest
+from mlx_cairn.protocol.images import ImageLimits
 from mlx_cairn.protocol.sse import json_bytes
 
 #: Default request-body limit (Claude Code sends long conversations).
@@ -43,6 +44,9 @@ class ServerConfig:
     #: Browser origins allowed to call the server (CORS); ``"*"`` is any origin,
     #: empty sends no CORS headers at all. Values as :func:`cors_origin` returns them.
     cors_origins: tuple[str, ...] = ()
+    #: Image limits and whether image URLs are fetched (``--max-image-*``,
+    #: ``--max-images``, ``--allow-image-urls``, ``--image-url-timeout``).
+    images: ImageLimits = field(default_factory=ImageLimits)
 
 
 _ORIGIN = re.compile(r"[a-z][a-z0-9+.-]*://[^/?#\s@]+")

@@ -16,8 +16,11 @@ Mapping rules:
   order of the preceding assistant turn's ``tool_use`` blocks.
 - assistant content: text, ``thinking`` (kept as the message's reasoning)
   and ``tool_use`` blocks (kept as tool calls, arguments as JSON text).
-- images and documents become a short placeholder: the models served here
-  read text only.
+- images (``source`` ``base64`` or ``url``) in user turns and inside
+  ``tool_result`` content (Claude Code's Read tool) are decoded here
+  (:mod:`mlx_cairn.protocol.images`): each becomes an entry of the message's
+  ``images`` and an ``IMAGE_MARK`` at its place in the text. Documents (and
+  images in assistant turns) become a short placeholder.
 - ``context_management``: a ``clear_thinking_20251015`` edit with ``keep:
   "all"`` (Claude Code sends it) keeps earlier turns as they were generated,
   reasoning included, where the chat template would drop it
@@ -48,11 +51,14 @@ from mlx_cairn.protocol.base import (
     short,
     speculative_switch,
 )
+from mlx_cairn.protocol.images import ImageReader, strip_marks
 from mlx_cairn.protocol.sampling import read_sampling
 from mlx_cairn.types import (
+    IMAGE_MARK,
     MAX_STOP_SEQUENCE_CHARS,
     MAX_STOP_SEQUENCES,
     ChatRequest,
+    Image,
     Message,
     OutputFormat,
     Tool,
@@ -82,19 +88,28 @@ class AnthropicRequest:
     max_tokens_param: str = "max_tokens"
 
 
-def parse_messages_request(body: Any, *, max_tokens_limit: int) -> AnthropicRequest:
-    """Validate a ``POST /v1/messages`` body and map it to a ChatRequest."""
-    return _parse(body, max_tokens_limit=max_tokens_limit, count_only=False)
+def parse_messages_request(
+    body: Any, *, max_tokens_limit: int, images: ImageReader | None = None
+) -> AnthropicRequest:
+    """Validate a ``POST /v1/messages`` body and map it to a ChatRequest.
+
+    ``images`` reads the request's images under the server's limits (default:
+    :class:`ImageLimits` defaults, no URL fetching).
+    """
+    return _parse(body, max_tokens_limit=max_tokens_limit, count_only=False, images=images)
 
 
-def parse_count_tokens_request(body: Any) -> AnthropicRequest:
+def parse_count_tokens_request(body: Any, *, images: ImageReader | None = None) -> AnthropicRequest:
     """Validate a ``POST /v1/messages/count_tokens`` body (no ``max_tokens`` needed)."""
-    return _parse(body, max_tokens_limit=0, count_only=True)
+    return _parse(body, max_tokens_limit=0, count_only=True, images=images)
 
 
-def _parse(body: Any, *, max_tokens_limit: int, count_only: bool) -> AnthropicRequest:
+def _parse(
+    body: Any, *, max_tokens_limit: int, count_only: bool, images: ImageReader | None
+) -> AnthropicRequest:
     if not isinstance(body, dict):
         raise InvalidRequest("request body must be a JSON object")
+    body = strip_marks(body)
     model = required_model(body)
 
     max_tokens = 1
@@ -111,7 +126,7 @@ def _parse(body: Any, *, max_tokens_limit: int, count_only: bool) -> AnthropicRe
 
     if "messages" not in body:
         raise fail("messages", "field required")
-    messages = _map_messages(body["messages"])
+    messages = _map_messages(body["messages"], images or ImageReader())
     system = _map_system(body.get("system"))
     if system:
         messages.insert(0, Message("system", system))
@@ -194,7 +209,7 @@ def _system_text(system: Any, param: str, *, drop_billing: bool = False) -> str:
 # ----------------------------------------------------------------- messages
 
 
-def _map_messages(raw: Any) -> list[Message]:
+def _map_messages(raw: Any, reader: ImageReader) -> list[Message]:
     if not isinstance(raw, list):
         raise fail("messages", "must be a list")
     if not raw:
@@ -230,7 +245,7 @@ def _map_messages(raw: Any) -> list[Message]:
             tool_names.update({tc.id: tc.name for tc in msg.tool_calls})
             out.append(msg)
         else:
-            out.extend(_map_user(content, param, tool_order, tool_names))
+            out.extend(_map_user(content, param, tool_order, tool_names, reader))
     return out
 
 
@@ -296,7 +311,7 @@ SERVER_BLOCKS = frozenset(
 def _other_block(kind: str, block: dict[str, Any], bp: str) -> str:
     """The prompt text of a block that is neither text nor a tool call or result.
 
-    Images and documents become a placeholder, a ``search_result`` its title
+    Documents (and images where none are read: assistant turns) become a placeholder, a ``search_result`` its title
     and text, a ``tool_reference`` (tool search) the tool's name; server-side
     blocks give "" (left out). Any other type is a 400.
     """
@@ -332,9 +347,14 @@ def _map_tool_use(block: dict[str, Any], bp: str) -> ToolCall:
 
 
 def _map_user(
-    content: list[Any], param: str, tool_order: dict[str, int], tool_names: dict[str, str]
+    content: list[Any],
+    param: str,
+    tool_order: dict[str, int],
+    tool_names: dict[str, str],
+    reader: ImageReader,
 ) -> list[Message]:
     texts: list[str] = []
+    images: list[Image] = []
     results: list[tuple[int, int, Message]] = []
     for j, block in enumerate(content):
         bp = f"{param}.content[{j}]"
@@ -342,18 +362,38 @@ def _map_user(
         if kind == "text":
             texts.append(_text_of(block, bp))
         elif kind == "tool_result":
-            msg = _map_tool_result(block, bp, tool_names)
+            msg = _map_tool_result(block, bp, tool_names, reader)
             # Stable sort key: the assistant's tool_use order, unknown ids last.
             results.append((tool_order.get(msg.tool_call_id or "", len(tool_order)), j, msg))
+        elif kind == "image":
+            images.append(_image(block, bp, reader))
+            texts.append(IMAGE_MARK)
         elif text := _other_block(kind, block, bp):
             texts.append(text)
     out = [m for _, _, m in sorted(results, key=lambda r: (r[0], r[1]))]
     if texts or not results:
-        out.append(Message("user", "\n".join(texts)))
+        out.append(Message("user", "\n".join(texts), images=images))
     return out
 
 
-def _map_tool_result(block: dict[str, Any], bp: str, tool_names: dict[str, str]) -> Message:
+def _image(block: dict[str, Any], bp: str, reader: ImageReader) -> Image:
+    """An ``image`` block: ``source`` ``{"type": "base64", "media_type", "data"}`` or
+    ``{"type": "url", "url"}``."""
+    source = block.get("source")
+    sp = f"{bp}.source"
+    if not isinstance(source, dict):
+        raise fail(sp, "must be an object")
+    kind = source.get("type")
+    if kind == "base64":
+        return reader.base64(source.get("data"), source.get("media_type"), sp)
+    if kind == "url":
+        return reader.url(source.get("url"), f"{sp}.url")
+    raise fail(f"{sp}.type", f"must be 'base64' or 'url', got {short(kind)}")
+
+
+def _map_tool_result(
+    block: dict[str, Any], bp: str, tool_names: dict[str, str], reader: ImageReader
+) -> Message:
     tid = block.get("tool_use_id")
     if not isinstance(tid, str) or not tid:
         raise fail(f"{bp}.tool_use_id", "must be a non-empty string")
@@ -363,6 +403,7 @@ def _map_tool_result(block: dict[str, Any], bp: str, tool_names: dict[str, str])
     if not isinstance(is_error, bool):
         raise fail(f"{bp}.is_error", "must be a boolean")
     raw = block.get("content", "")
+    images: list[Image] = []
     if raw is None:
         raw = ""
     if isinstance(raw, str):
@@ -374,12 +415,17 @@ def _map_tool_result(block: dict[str, Any], bp: str, tool_names: dict[str, str])
             kind = _block(sub, sp)
             if kind == "text":
                 parts.append(_text_of(sub, sp))
+            elif kind == "image":  # Claude Code's Read tool on a picture
+                images.append(_image(sub, sp, reader))
+                parts.append(IMAGE_MARK)
             elif sub_text := _other_block(kind, sub, sp):
                 parts.append(sub_text)
         text = "\n".join(parts)
     else:
         raise fail(f"{bp}.content", "must be a string or a list of content blocks")
-    return Message("tool", text, tool_call_id=tid, name=tool_names.get(tid), is_error=is_error)
+    return Message(
+        "tool", text, tool_call_id=tid, name=tool_names.get(tid), is_error=is_error, images=images
+    )
 
 
 # -------------------------------------------------------- tools and options

@@ -1,4 +1,4 @@
-"""Ollama API request bodies (``/api/chat``, ``/api/generate``) -> ChatRequest.
+r"""Ollama API request bodies (``/api/chat``, ``/api/generate``) -> ChatRequest.
 
 Validated before any model work; every failure is an
 :class:`~mlx_cairn.errors.InvalidRequest` naming the field
@@ -14,9 +14,10 @@ Mapping rules:
   answers the earliest call of the turn before it not answered yet). A call
   without an ``id`` gets one from its place (``call_<message>_<call>``), so the
   same conversation renders the same prompt and hits the prefix cache.
-- ``images`` (on a message, or on ``/api/generate``) are counted here; the
-  route refuses them (400) for a model that does not read images, which is
-  every model this server loads today.
+- ``images`` (base64 strings, on a message or on ``/api/generate``) are
+  decoded here (:mod:`mlx_cairn.protocol.images`) and stand before the
+  message's text as ``IMAGE_MARK``\ s; the route refuses them (400) for a model
+  that does not read images. A ``raw`` or ``suffix`` prompt takes none.
 - ``tools``: function tools, as in Chat Completions (other types are skipped).
 - ``format``: ``"json"`` (any JSON object) or a JSON Schema object: decoding is
   constrained to it (the grammar engine, leniently: keywords it cannot
@@ -64,10 +65,13 @@ from mlx_cairn.protocol.base import (
     required_model,
     short,
 )
+from mlx_cairn.protocol.images import ImageReader, strip_marks
 from mlx_cairn.protocol.openai_common import function_tool, stop_list
 from mlx_cairn.protocol.sampling import read_sampling, top_logprobs
 from mlx_cairn.types import (
+    IMAGE_MARK,
     ChatRequest,
+    Image,
     Message,
     OutputFormat,
     RawPrompt,
@@ -153,7 +157,9 @@ def load_request(body: Any, shape: Shape) -> LoadRequest | None:
     )
 
 
-def parse_chat_request(body: Any, *, max_tokens_limit: int) -> OllamaRequest:
+def parse_chat_request(
+    body: Any, *, max_tokens_limit: int, images: ImageReader | None = None
+) -> OllamaRequest:
     """Validate a ``POST /api/chat`` body and map it to a ChatRequest.
 
     >>> r = parse_chat_request({"model": "m", "messages": [{"role": "user", "content": "Hi"}],
@@ -162,20 +168,23 @@ def parse_chat_request(body: Any, *, max_tokens_limit: int) -> OllamaRequest:
     >>> (r.chat.max_tokens, r.chat.sampling.temperature, r.stream)
     (8, 0.0, True)
     """
-    body = _object(body)
+    body = strip_marks(_object(body))
     model = required_model(body)
     if "messages" not in body:
         raise fail("messages", "field required")
-    messages, images = _map_messages(body["messages"])
+    reader = images or ImageReader()
+    messages = _map_messages(body["messages"], reader)
     tools = _map_tools(body.get("tools"))
     req = _common(body, model, max_tokens_limit, messages=messages, tools=tools, shape="chat")
-    req.images = images
+    req.images = reader.count
     return req
 
 
-def parse_generate_request(body: Any, *, max_tokens_limit: int) -> OllamaRequest:
+def parse_generate_request(
+    body: Any, *, max_tokens_limit: int, images: ImageReader | None = None
+) -> OllamaRequest:
     """Validate a ``POST /api/generate`` body and map it to a ChatRequest (see module doc)."""
-    body = _object(body)
+    body = strip_marks(_object(body))
     model = required_model(body)
     prompt = _opt_str(body, "prompt")
     suffix = _opt_str(body, "suffix")
@@ -190,18 +199,22 @@ def parse_generate_request(body: Any, *, max_tokens_limit: int) -> OllamaRequest
     context = body.get("context")
     if context is not None and not (isinstance(context, list) and all(map(is_int, context))):
         raise fail("context", "must be a list of token ids")
-    images = _images(body.get("images"), "images")
+    reader = images or ImageReader()
+    pics = _images(body.get("images"), "images", reader)
     raw_prompt: RawPrompt | None = None
     messages: list[Message] = []
+    if pics and (suffix or raw):
+        raise fail("images", "a raw or suffix prompt takes no images; send a templated prompt")
     if suffix:
         raw_prompt = RawPrompt(text=prompt, suffix=suffix)
     elif raw:
         raw_prompt = RawPrompt(text=prompt)
     else:
-        messages = ([Message("system", system)] if system else []) + [Message("user", prompt)]
+        user = Message("user", IMAGE_MARK * len(pics) + prompt, images=pics)
+        messages = ([Message("system", system)] if system else []) + [user]
     req = _common(body, model, max_tokens_limit, messages=messages, tools=[], shape="generate")
     req.chat.raw = raw_prompt
-    req.images = images
+    req.images = len(pics)
     req.prompt_param = "prompt"
     return req
 
@@ -380,22 +393,21 @@ def keep_alive(raw: Any) -> float | None:
 # ------------------------------------------------------------------ messages
 
 
-def _images(raw: Any, param: str) -> int:
-    """How many images (base64 strings) a field holds."""
+def _images(raw: Any, param: str, reader: ImageReader) -> list[Image]:
+    """The images (base64 strings) of an ``images`` field, decoded."""
     if raw is None:
-        return 0
+        return []
     if not isinstance(raw, list) or not all(isinstance(i, str) for i in raw):
         raise fail(param, "must be a list of base64-encoded images")
-    return len(raw)
+    return [reader.base64(data, None, f"{param}[{k}]") for k, data in enumerate(raw)]
 
 
-def _map_messages(raw: Any) -> tuple[list[Message], int]:
+def _map_messages(raw: Any, reader: ImageReader) -> list[Message]:
     if not isinstance(raw, list):
         raise fail("messages", "must be a list")
     if not raw:
         raise fail("messages", "must not be empty")
     out: list[Message] = []
-    images = 0
     pending: list[ToolCall] = []  # calls of the last assistant turn not answered yet
     for i, m in enumerate(raw):
         param = f"messages[{i}]"
@@ -403,9 +415,12 @@ def _map_messages(raw: Any) -> tuple[list[Message], int]:
             raise fail(param, "must be an object")
         role = m.get("role")
         text = _opt_str(m, "content", f"{param}.content")
-        images += _images(m.get("images"), f"{param}.images")
+        pics = _images(m.get("images"), f"{param}.images", reader)
+        if pics and role not in ("user", "tool"):
+            raise fail(f"{param}.images", "only user and tool messages take images")
         if role in ("system", "user"):
-            out.append(Message(role, text))
+            # As Ollama places them: the pictures first, then the text.
+            out.append(Message(role, IMAGE_MARK * len(pics) + text, images=pics))
         elif role == "assistant":
             thinking = _opt_str(m, "thinking", f"{param}.thinking")
             calls = _map_calls(m.get("tool_calls"), i, param)
@@ -415,7 +430,10 @@ def _map_messages(raw: Any) -> tuple[list[Message], int]:
             out.append(_map_tool_result(m, text, param, pending))
         else:
             raise fail(f"{param}.role", f"unknown role {short(role)}")
-    return out, images
+        if pics and role == "tool":
+            out[-1].content = IMAGE_MARK * len(pics) + out[-1].content
+            out[-1].images = pics
+    return out
 
 
 def _map_calls(raw: Any, i: int, param: str) -> list[ToolCall]:

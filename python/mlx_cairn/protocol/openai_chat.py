@@ -6,8 +6,10 @@ the field; unknown fields are ignored):
 - roles ``system`` / ``developer`` (both become system turns), ``user``,
   ``assistant`` (``content``, ``tool_calls`` with JSON-string arguments,
   ``reasoning_content`` from an earlier turn) and ``tool`` (``tool_call_id``);
-- content as a string or parts (``text``; images/audio/files become a short
-  placeholder: the models served here read text only);
+- content as a string or parts (``text``; ``image_url`` parts of user and
+  tool messages, ``data:`` or allowed ``http(s)`` URLs, are decoded into the
+  message's images (:mod:`mlx_cairn.protocol.images`); audio and files
+  become a short placeholder);
 - ``tools`` (function tools; other types are skipped) and ``tool_choice``
   (auto / none / required / a named function: only that function is shown);
 - ``stop`` (string or list), ``max_completion_tokens`` (wins) or
@@ -60,6 +62,7 @@ from mlx_cairn.protocol.base import (
     timings_body,
     tool_call_as_text,
 )
+from mlx_cairn.protocol.images import ImageReader, strip_marks
 from mlx_cairn.protocol.openai_common import (
     CallIds,
     ChunkWire,
@@ -85,6 +88,7 @@ from mlx_cairn.types import (
     Done,
     Error,
     Event,
+    Image,
     Message,
     ReasoningDelta,
     TextDelta,
@@ -112,17 +116,24 @@ class OpenAIChatRequest:
     max_tokens_param: str = "max_tokens"
 
 
-def parse_chat_request(body: Any, *, max_tokens_limit: int) -> OpenAIChatRequest:
-    """Validate a ``POST /v1/chat/completions`` body and map it to a ChatRequest."""
+def parse_chat_request(
+    body: Any, *, max_tokens_limit: int, images: ImageReader | None = None
+) -> OpenAIChatRequest:
+    """Validate a ``POST /v1/chat/completions`` body and map it to a ChatRequest.
+
+    ``images`` reads the request's images under the server's limits (default:
+    :class:`~mlx_cairn.protocol.images.ImageLimits` defaults, no URL fetching).
+    """
     if not isinstance(body, dict):
         raise InvalidRequest("request body must be a JSON object")
+    body = strip_marks(body)
     model = required_model(body)
     n = body.get("n")
     if n is not None and (not is_int(n) or n != 1):
         raise fail("n", "only n=1 is supported")
     if "messages" not in body:
         raise fail("messages", "field required")
-    messages = _map_messages(body["messages"])
+    messages = _map_messages(body["messages"], images or ImageReader())
 
     cap = "max_completion_tokens"
     mt = opt_max_tokens(body, cap, max_tokens_limit)
@@ -161,7 +172,7 @@ def parse_chat_request(body: Any, *, max_tokens_limit: int) -> OpenAIChatRequest
     return OpenAIChatRequest(chat, model, stream, include_usage, open_ended, max_tokens_param=cap)
 
 
-def _map_messages(raw: Any) -> list[Message]:
+def _map_messages(raw: Any, reader: ImageReader) -> list[Message]:
     if not isinstance(raw, list):
         raise fail("messages", "must be a list")
     if not raw:
@@ -178,9 +189,9 @@ def _map_messages(raw: Any) -> list[Message]:
                 Message("system", content_text(m.get("content"), f"{param}.content", _TEXT_PARTS))
             )
         elif role == "user":
-            out.append(
-                Message("user", content_text(m.get("content"), f"{param}.content", _TEXT_PARTS))
-            )
+            images: list[Image] = []
+            text = content_text(m.get("content"), f"{param}.content", _TEXT_PARTS, images, reader)
+            out.append(Message("user", text, images=images))
         elif role == "assistant":
             msg = _map_assistant(m, param)
             names.update({tc.id: tc.name for tc in msg.tool_calls})
@@ -189,8 +200,9 @@ def _map_messages(raw: Any) -> list[Message]:
             tid = m.get("tool_call_id")
             if not isinstance(tid, str) or not tid:
                 raise fail(f"{param}.tool_call_id", "must be a non-empty string")
-            text = content_text(m.get("content"), f"{param}.content", _TEXT_PARTS)
-            out.append(Message("tool", text, tool_call_id=tid, name=names.get(tid)))
+            images = []
+            text = content_text(m.get("content"), f"{param}.content", _TEXT_PARTS, images, reader)
+            out.append(Message("tool", text, tool_call_id=tid, name=names.get(tid), images=images))
         elif role == "function":
             raise fail(
                 f"{param}.role", "the deprecated 'function' role is not supported; use 'tool'"

@@ -35,11 +35,14 @@ from mlx_cairn.protocol.base import (
     short,
     speculative_switch,
 )
+from mlx_cairn.protocol.images import ImageReader
 from mlx_cairn.protocol.sse import comment
 from mlx_cairn.types import (
+    IMAGE_MARK,
     MAX_STOP_SEQUENCE_CHARS,
     MAX_STOP_SEQUENCES,
     ChatRequest,
+    Image,
     Message,
     OutputFormat,
     SamplingParams,
@@ -240,12 +243,21 @@ def output_format(raw: Any, param: str, *, nested: bool) -> OutputFormat | None:
     return OutputFormat(schema, name, bool(strict), param=where)
 
 
-def content_text(raw: Any, param: str, text_types: tuple[str, ...]) -> str:
+def content_text(
+    raw: Any,
+    param: str,
+    text_types: tuple[str, ...],
+    images: list[Image] | None = None,
+    reader: ImageReader | None = None,
+) -> str:
     """A message ``content``: a string, or parts whose text is joined.
 
     Text parts are the ``text_types`` (``text`` for Chat, ``input_text`` /
-    ``output_text`` for Responses); images, audio and files become a short
-    placeholder, refusals keep their text.
+    ``output_text`` for Responses); refusals keep their text. Where ``images``
+    and ``reader`` are given (user turns and tool results), image parts (Chat
+    ``image_url``, Responses ``input_image``) are decoded into ``images`` and
+    stand in the text as ``IMAGE_MARK``; elsewhere, and for audio and files,
+    a part becomes a short placeholder.
     """
     if raw is None:
         return ""
@@ -269,11 +281,28 @@ def content_text(raw: Any, param: str, text_types: tuple[str, ...]) -> str:
             if not isinstance(text, str):
                 raise fail(f"{pp}.refusal", "must be a string")
             out.append(text)
+        elif kind in ("image_url", "input_image") and images is not None and reader is not None:
+            images.append(_image_part(part, kind, pp, reader))
+            out.append(IMAGE_MARK)
         elif kind in ("image_url", "input_image", "input_audio", "file", "input_file"):
             out.append(MEDIA_PLACEHOLDER.format(kind=kind))
         else:
             raise fail(f"{pp}.type", f"unsupported content part type {short(kind)}")
     return "".join(out)
+
+
+def _image_part(part: dict[str, Any], kind: str, pp: str, reader: ImageReader) -> Image:
+    """Chat ``{"type": "image_url", "image_url": {"url": ...}}`` or Responses
+    ``{"type": "input_image", "image_url": ...}``: a ``data:`` or ``http(s)`` URL."""
+    url = part.get("image_url")
+    up = f"{pp}.image_url"
+    if isinstance(url, dict):
+        url, up = url.get("url"), f"{up}.url"
+    if url is None and kind == "input_image" and part.get("file_id") is not None:
+        raise fail(
+            f"{pp}.file_id", "uploaded files are not supported; send image_url as a data: URL"
+        )
+    return reader.url(url, up)
 
 
 def function_tool(name: Any, desc: Any, params: Any, param: str, strict: Any = None) -> Tool:

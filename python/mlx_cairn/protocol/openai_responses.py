@@ -5,9 +5,11 @@ unknown fields are ignored. Mapping:
 
 - ``input``: a string (one user message) or a list of items:
   messages (``role`` user / system / developer / assistant, ``content`` a
-  string or parts: ``input_text``, ``output_text``, ``refusal``; images and
-  files become a short placeholder), ``reasoning`` items, ``function_call``
-  and ``function_call_output``. Consecutive reasoning / assistant-message /
+  string or parts: ``input_text``, ``output_text``, ``refusal``,
+  ``input_image`` with ``image_url`` a ``data:`` (or allowed ``http(s)``) URL,
+  decoded in user messages and function call outputs
+  (:mod:`mlx_cairn.protocol.images`); files become a short placeholder),
+  ``reasoning`` items, ``function_call`` and ``function_call_output``. Consecutive reasoning / assistant-message /
   function-call items form one assistant turn.
 - ``instructions``: a system message in front of this request only (like
   OpenAI, instructions of a previous response are not carried over).
@@ -34,6 +36,7 @@ from typing import Any
 
 from mlx_cairn.errors import CairnError, InvalidRequest
 from mlx_cairn.protocol.base import required_model
+from mlx_cairn.protocol.images import ImageReader, strip_marks
 from mlx_cairn.protocol.openai_common import (
     chat_request,
     content_text,
@@ -48,7 +51,7 @@ from mlx_cairn.protocol.openai_common import (
     tool_choice,
 )
 from mlx_cairn.protocol.sampling import read_sampling, top_logprobs
-from mlx_cairn.types import ChatRequest, Message, Tool, ToolCall
+from mlx_cairn.types import ChatRequest, Image, Message, Tool, ToolCall
 
 _TEXT_PARTS = ("input_text", "output_text", "text")
 #: The ``include`` value that turns logprobs on; other values are accepted and
@@ -85,15 +88,19 @@ class ResponsesRequest:
 
 
 def parse_responses_request(
-    body: Any, *, max_tokens_limit: int, lookup: Lookup
+    body: Any, *, max_tokens_limit: int, lookup: Lookup, images: ImageReader | None = None
 ) -> ResponsesRequest:
-    """Validate a ``POST /v1/responses`` body and map it to a ChatRequest."""
+    """Validate a ``POST /v1/responses`` body and map it to a ChatRequest.
+
+    ``images`` reads the request's ``input_image`` parts under the server's limits.
+    """
     if not isinstance(body, dict):
         raise InvalidRequest("request body must be a JSON object")
+    body = strip_marks(body)
     model = required_model(body)
     if "input" not in body:
         raise fail("input", "field required")
-    new = parse_input(body["input"])
+    new = parse_input(body["input"], images=images or ImageReader())
 
     prev_id = body.get("previous_response_id")
     history: list[Message] = []
@@ -207,8 +214,14 @@ def _map_tools(raw: Any) -> tuple[list[Tool], list[dict[str, Any]]]:
 # -------------------------------------------------------------------- input
 
 
-def parse_input(raw: Any, param: str = "input") -> list[Message]:
-    """``input`` (a string or items) -> messages. Also maps stored output items."""
+def parse_input(
+    raw: Any, param: str = "input", *, images: ImageReader | None = None
+) -> list[Message]:
+    """``input`` (a string or items) -> messages. Also maps stored output items.
+
+    With ``images``, ``input_image`` parts of user messages and of function
+    call outputs are decoded (else they become a placeholder).
+    """
     if isinstance(raw, str):
         return [Message("user", raw)]
     if not isinstance(raw, list):
@@ -226,7 +239,9 @@ def parse_input(raw: Any, param: str = "input") -> list[Message]:
             role = _ROLES.get(raw_role) if isinstance(raw_role, str) else None
             if role is None:
                 raise fail(f"{ip}.role", f"unknown role {short(item.get('role'))}")
-            text = content_text(item.get("content"), f"{ip}.content", _TEXT_PARTS)
+            pics: list[Image] = []
+            reader = images if role == "user" else None
+            text = content_text(item.get("content"), f"{ip}.content", _TEXT_PARTS, pics, reader)
             if role == "assistant":
                 if turn is None or turn.tool_calls:
                     turn = Message("assistant")
@@ -234,7 +249,7 @@ def parse_input(raw: Any, param: str = "input") -> list[Message]:
                 turn.content += text
             else:
                 turn = None
-                out.append(Message(role, text))  # type: ignore[arg-type]
+                out.append(Message(role, text, images=pics))  # type: ignore[arg-type]
         elif kind == "reasoning":
             if turn is None or turn.content or turn.tool_calls:
                 turn = Message("assistant")
@@ -253,8 +268,9 @@ def parse_input(raw: Any, param: str = "input") -> list[Message]:
             cid = item.get("call_id")
             if not isinstance(cid, str) or not cid:
                 raise fail(f"{ip}.call_id", "must be a non-empty string")
-            text = content_text(item.get("output"), f"{ip}.output", _TEXT_PARTS)
-            out.append(Message("tool", text, tool_call_id=cid, name=names.get(cid)))
+            pics = []
+            text = content_text(item.get("output"), f"{ip}.output", _TEXT_PARTS, pics, images)
+            out.append(Message("tool", text, tool_call_id=cid, name=names.get(cid), images=pics))
         else:
             raise fail(f"{ip}.type", f"unsupported input item type {short(kind)}")
     for m in out:
