@@ -27,7 +27,7 @@ from tokenizers import AddedToken
 from mlx_cairn.models.testing import TINY_VOCAB, random_weights, tiny_tokenizer
 
 #: Architectures :func:`tiny_vision_folder` builds.
-VISION_ARCHES = ("gemma3", "qwen2_5_vl")
+VISION_ARCHES = ("gemma3", "qwen2_5_vl", "idefics3", "smolvlm")
 
 _GEMMA3_TEMPLATE = (
     "{{ bos_token }}"
@@ -55,6 +55,17 @@ _QWEN_VL_TEMPLATE = (
     "{% elif content['type'] == 'text' %}{{ content['text'] }}{% endif %}"
     "{% endfor %}<|im_end|>\n{% endif %}{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+_IDEFICS3_TEMPLATE = (
+    "<|im_start|>{% for message in messages %}{{ message['role'] | capitalize }}: "
+    "{% if message['content'] is string %}{{ message['content'] }}"
+    "{% else %}{% for line in message['content'] %}"
+    "{% if line['type'] == 'text' %}{{ line['text'] }}"
+    "{% elif line['type'] == 'image' %}{{ '<image>' }}{% endif %}"
+    "{% endfor %}{% endif %}<end_of_utterance>\n{% endfor %}"
+    "{% if add_generation_prompt %}{{ 'Assistant:' }}{% endif %}"
 )
 
 
@@ -213,13 +224,73 @@ def _qwen2_5_vl(folder: Path) -> tuple[dict[str, Any], dict[str, Any]]:
     return config, {"tokenizer_config.json": tok_config, **files}
 
 
+def _idefics3(folder: Path, model_type: str = "idefics3") -> tuple[dict[str, Any], dict[str, Any]]:
+    hf = _tokenizer(["<fake_token_around_image>", "<image>", "<global-img>", "<end_of_utterance>"])
+    text = _text(model_type="llama", rope_theta=10000.0, tie_word_embeddings=False)
+    config = {
+        "model_type": model_type,
+        "architectures": ["Idefics3ForConditionalGeneration"],
+        "image_token_id": hf.token_to_id("<image>"),
+        "scale_factor": 2,
+        "vocab_size": TINY_VOCAB,
+        "eos_token_id": [hf.token_to_id("<end_of_utterance>")],
+        "text_config": text,
+        "vision_config": {
+            "model_type": "idefics3_vision",
+            "hidden_size": 32,
+            "intermediate_size": 64,
+            "num_hidden_layers": 1,
+            "num_attention_heads": 2,
+            "patch_size": 7,
+            "image_size": 28,
+            "layer_norm_eps": 1e-6,
+        },
+    }
+    tok_config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "eos_token": "<end_of_utterance>",
+        "pad_token": "<|endoftext|>",
+        "bos_token": None,
+        "add_bos_token": False,
+    }
+    proc_class = "SmolVLMProcessor" if model_type == "smolvlm" else "Idefics3Processor"
+    ip_class = "SmolVLMImageProcessor" if model_type == "smolvlm" else "Idefics3ImageProcessor"
+    files = {
+        "preprocessor_config.json": {
+            "image_processor_type": ip_class,
+            "processor_class": proc_class,
+            "do_convert_rgb": True,
+            "do_resize": True,
+            "size": {"longest_edge": 28},
+            "resample": 1,
+            "do_image_splitting": False,
+            "max_image_size": {"longest_edge": 28},
+            "do_rescale": True,
+            "rescale_factor": 1 / 255,
+            "do_normalize": True,
+            "image_mean": [0.5, 0.5, 0.5],
+            "image_std": [0.5, 0.5, 0.5],
+            "do_pad": True,
+        },
+        "processor_config.json": {"processor_class": proc_class, "image_seq_len": 4},
+    }
+    hf.save(str(folder / "tokenizer.json"))
+    (folder / "chat_template.jinja").write_text(_IDEFICS3_TEMPLATE)
+    return config, {"tokenizer_config.json": tok_config, **files}
+
+
 def tiny_vision_folder(arch: str, folder: Path, seed: int = 0) -> Path:
     """Write a random-weight ``arch`` (:data:`VISION_ARCHES`) checkpoint into ``folder``."""
     from mlx_vlm.utils import get_model_and_args
 
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
-    build = {"gemma3": _gemma3, "qwen2_5_vl": _qwen2_5_vl}.get(arch)
+    build = {
+        "gemma3": _gemma3,
+        "qwen2_5_vl": _qwen2_5_vl,
+        "idefics3": _idefics3,
+        "smolvlm": lambda f: _idefics3(f, "smolvlm"),
+    }.get(arch)
     if build is None:
         raise ValueError(f"unknown tiny vision architecture {arch!r}")
     config, files = build(folder)

@@ -264,11 +264,10 @@ class VisionZooModel(ZooModel):
         self.vision = vision
         lm = vlm.language_model
         self.mrope = hasattr(lm, "get_rope_index")
-        if self._backbone is None:
-            raise ModelLoadError(
-                f"the {config.get('model_type')} language model does not split into layers and a head"
-            )
-        self._embed = self._backbone.embed_tokens
+        #: What runs the layers: the backbone, or (Idefics3's) the whole language model,
+        #: whose output is then the logits.
+        self._body = self._backbone if self._backbone is not None else lm
+        self._embed = self._body.embed_tokens
         if self.mrope:
             tied = getattr(getattr(lm, "args", None), "tie_word_embeddings", False)
             self._head = self._embed.as_linear if tied or not hasattr(lm, "lm_head") else lm.lm_head
@@ -286,20 +285,20 @@ class VisionZooModel(ZooModel):
     def logits(self, hidden: mx.array) -> mx.array:
         if self.mrope:
             return self._head(hidden).astype(mx.float32)  # type: ignore[no-any-return]
-        assert self._head_self is not None
+        if self._head_self is None:  # the body gave logits already
+            return hidden.astype(mx.float32)
         out = type(self._head_owner).__call__(self._head_self, hidden)
         out = getattr(out, "logits", out)
         return out.astype(mx.float32)  # type: ignore[no-any-return]
 
     def __call__(self, tokens: mx.array, cache: Any, feeds: Any = None) -> mx.array:
         caches = cache.layer_caches(self)
-        assert self._backbone is not None
         has_media = feeds is not None and any(f[0] is not None for f in feeds)
         kwargs: dict[str, Any] = {}
         if self.mrope:
             kwargs["position_ids"] = self._positions(tokens.shape, cache, feeds)
         if not has_media:
-            return self._backbone(tokens, cache=caches, **kwargs)  # type: ignore[no-any-return]
+            return self._run(tokens, None, caches, kwargs)
         emb = self._embed(tokens)
         for b, (media, start, n) in enumerate(feeds):
             if media is None:
@@ -312,7 +311,13 @@ class VisionZooModel(ZooModel):
                 emb[b, lo - start : hi - start] = feats[lo - span.start : hi - span.start].astype(
                     emb.dtype
                 )
-        return self._backbone(tokens, inputs_embeds=emb, cache=caches, **kwargs)  # type: ignore[no-any-return]
+        return self._run(tokens, emb, caches, kwargs)
+
+    def _run(
+        self, tokens: mx.array, emb: mx.array | None, caches: Any, kw: dict[str, Any]
+    ) -> mx.array:
+        out = self._body(tokens, inputs_embeds=emb, cache=caches, **kw)
+        return getattr(out, "logits", out)  # type: ignore[no-any-return]
 
     def _positions(self, shape: tuple[int, ...], cache: Any, feeds: Any) -> mx.array:
         """[3, B, L] multimodal RoPE positions of a call's rows."""
