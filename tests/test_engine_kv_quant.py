@@ -251,3 +251,67 @@ def test_quantized_blocks_evicted_from_a_small_pool_come_back_from_disk(lm, tmp_
         st = e.stats()
     assert second == first
     assert st.disk_written_blocks > 0 and st.disk_hit_blocks >= 12, st
+
+
+@pytest.fixture(scope="module")
+def folder(lm, tmp_path_factory):
+    from mlx_cairn.models.export import save_folder
+
+    path = tmp_path_factory.mktemp("kvq") / "tiny"
+    save_folder(lm, path)
+    return path
+
+
+def _serve_build(folder, *flags: str):
+    import argparse
+
+    from mlx_cairn.api.server import add_arguments, build
+
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    problems: list[str] = []
+    reg, config = build(p.parse_args(["--model", str(folder), *flags]), {}, problems=problems)
+    reg.preload()  # what `cairn serve --preload` does before it answers
+    return reg, config, problems
+
+
+def test_serve_refuses_a_group_size_that_does_not_divide_the_head_dimension(folder):
+    # The head dimension is known once the model is loaded: a loaded model's
+    # problem stops `cairn serve` before it serves (run() prints it and exits 2).
+    reg, _, problems = _serve_build(folder, "--kv-bits", "4", "--kv-group-size", "128")
+    reg.close()
+    assert len(problems) == 1
+    assert "--kv-bits 4 --kv-group-size 128 does not suit" in problems[0]
+    assert "does not divide layer 0's key head dimension 64" in problems[0]
+
+
+def test_health_metrics_and_start_up_log_say_how_many_tokens_the_pool_holds(folder, lm, caplog):
+    import logging
+
+    from fastapi.testclient import TestClient
+
+    from mlx_cairn.api import create_app
+
+    budget = 0.01
+    with caplog.at_level(logging.INFO, logger="mlx_cairn.engine"):
+        reg, config, problems = _serve_build(folder, "--kv-bits", "8", "--kv-cache-gb", str(budget))
+    try:
+        assert not problems
+        (engine,) = [sm.engine for sm in reg.models if sm.engine is not None]
+        pools = engine._pools
+        tokens = (pools.num_blocks - 1) * pools.block_size
+        with TestClient(create_app(reg, config)) as c:
+            (entry,) = c.get("/health").json()["models"]
+            metrics = c.get("/metrics").text
+    finally:
+        reg.close()
+    assert entry["stats"]["kv_pool_tokens"] == tokens and entry["stats"]["kv_bits"] == 8
+    (line,) = [m for m in metrics.splitlines() if m.startswith("cairn_kv_pool_tokens{")]
+    assert float(line.rsplit(" ", 1)[1]) == tokens
+    logged = [r.getMessage() for r in caplog.records if r.getMessage().startswith("KV pool:")]
+    assert any(f"({tokens} tokens), 8-bit, groups of 64" in m for m in logged), logged
+    # The same budget at full precision (fp32 here) holds under a third of that.
+    full = Engine(lm, kv_cache_gb=budget, block_size=pools.block_size)
+    held = full.stats().kv_pool_tokens
+    full.close()
+    assert 3 * held < tokens, (held, tokens)

@@ -288,11 +288,19 @@ def build(
                 kv_group_size=kv_group_size,
             )
         except ValueError as e:
+            from mlx_cairn.engine.paged_quant import KVQuantError
+
             # The pool is sized from the model's shapes, so this is known only now;
             # engine/paged.py words every sizing refusal "KV pool ...".
             if problems is not None and args.kv_cache_gb is not None and "KV pool" in str(e):
                 problems.append(
                     f"--kv-cache-gb {args.kv_cache_gb:g} does not suit {loaded.name}: {e}"
+                )
+            # So is the head dimension a --kv-group-size must divide.
+            if problems is not None and isinstance(e, KVQuantError):
+                problems.append(
+                    f"--kv-bits {kv_bits} --kv-group-size {kv_group_size} "
+                    f"does not suit {loaded.name}: {e}"
                 )
             raise
         if problems is not None:

@@ -34,19 +34,23 @@ from mlx_cairn.types import DEFAULT_KV_GROUP_SIZE, KV_BITS, KV_GROUP_SIZES
 QTriple = tuple[mx.array, mx.array, mx.array]
 
 
+class KVQuantError(ValueError):
+    """KV quantization settings (``kv_bits``, ``kv_group_size``) a model cannot take."""
+
+
 def check_kv_quant(bits: int | None, group_size: int, layers: Seq[LayerSpec]) -> None:
     """Refuse settings the pools cannot hold, with a message naming the fix.
 
     Raises:
-        ValueError: ``bits`` not None/8/4, a group size ``mx.quantize`` does not
+        KVQuantError: ``bits`` not None/8/4, a group size ``mx.quantize`` does not
             take, or one that does not divide a layer's K or V head dimension.
     """
     if bits is None:
         return
     if bits not in KV_BITS:
-        raise ValueError(f"kv_bits must be 8 or 4 (or unset for full precision), got {bits}")
+        raise KVQuantError(f"kv_bits must be 8 or 4 (or unset for full precision), got {bits}")
     if group_size not in KV_GROUP_SIZES:
-        raise ValueError(
+        raise KVQuantError(
             f"kv_group_size must be one of {', '.join(map(str, KV_GROUP_SIZES))}, got {group_size}"
         )
     for i, s in enumerate(layers):
@@ -54,7 +58,7 @@ def check_kv_quant(bits: int | None, group_size: int, layers: Seq[LayerSpec]) ->
             continue  # recurrent state stays full precision
         for name, d in (("key", s.k_dim), ("value", s.v_dim)):
             if d % group_size:
-                raise ValueError(
+                raise KVQuantError(
                     f"kv_group_size {group_size} does not divide layer {i}'s {name} head "
                     f"dimension {d}; pick a group size that divides it"
                 )
