@@ -389,14 +389,17 @@ class ImageHost:
                 host.hits += 1
                 if self.path == "/slow.png":
                     time.sleep(3)
-                if self.path in ("/red.png", "/slow.png"):
-                    self.send_response(200)
-                    self.send_header("Content-Type", "image/png")
-                    self.send_header("Content-Length", str(len(PNG)))
-                    self.end_headers()
-                    self.wfile.write(PNG)
-                else:
-                    self.send_error(404)
+                try:
+                    if self.path in ("/red.png", "/slow.png"):
+                        self.send_response(200)
+                        self.send_header("Content-Type", "image/png")
+                        self.send_header("Content-Length", str(len(PNG)))
+                        self.end_headers()
+                        self.wfile.write(PNG)
+                    else:
+                        self.send_error(404)
+                except OSError:  # the server under test gave up on /slow.png: as it should
+                    pass
 
             def log_message(self, *args: Any) -> None:
                 pass
@@ -635,3 +638,138 @@ def test_image_urls_are_fetched_only_when_allowed(live: dict[str, Any]) -> None:
         )
     assert "too many images: at most 3" in e.value.body["message"]
     assert len(seen.requests) == 1
+
+
+# ------------------------------------------------------- a real vision model
+
+
+@pytest.fixture(scope="module")
+def vision(tmp_path_factory: Any) -> Iterator[dict[str, Any]]:
+    pytest.importorskip("mlx_vlm")
+    from mlx_cairn.models import load
+    from mlx_cairn.models.testing_vision import tiny_vision_folder
+
+    lm = load(str(tiny_vision_folder("gemma3", tmp_path_factory.mktemp("gemma3"))))
+    engine = Engine(lm, num_blocks=256, block_size=4)
+    try:
+        with serve(registry_for({"eyes": engine})) as srv:
+            clients = {
+                "anthropic": anthropic.Anthropic(base_url=srv.url, api_key="x", max_retries=0),
+                "openai": openai.OpenAI(base_url=srv.url + "/v1", api_key="x", max_retries=0),
+            }
+            yield {**clients, "lm": lm, "engine": engine}
+            for c in clients.values():
+                c.close()
+        assert_at_rest(engine)
+    finally:
+        engine.close()
+
+
+def noise_png(seed: int) -> str:
+    """Base64 PNG of a 28x28 noise picture (the tiny Gemma 3 processor's size)."""
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    return b64(
+        encoded(PIL.Image.fromarray(rng.integers(0, 256, (28, 28, 3), dtype=np.uint8)), "PNG")
+    )
+
+
+def in_process_text(lm: Any, chat: Any) -> str:
+    """The greedy answer of a fresh engine on ``chat`` (what the server must say)."""
+    from mlx_cairn.types import TextDelta
+
+    with Engine(lm, num_blocks=128, block_size=4) as engine:
+        events = list(engine.submit(chat).iter_sync(timeout=120))
+    return "".join(e.text for e in events if isinstance(e, TextDelta))
+
+
+def user_turn(png: str) -> list[dict[str, Any]]:
+    return [
+        {"role": "user", "content": [image_block(png), {"type": "text", "text": "What is it?"}]}
+    ]
+
+
+def read_tool(png: str) -> list[dict[str, Any]]:
+    """Claude Code's Read tool on a picture: an image inside a tool_result."""
+    return [
+        {"role": "user", "content": "Open shot.png"},
+        {
+            "role": "assistant",
+            "content": [
+                {"type": "tool_use", "id": "t1", "name": "Read", "input": {"path": "shot.png"}}
+            ],
+        },
+        {
+            "role": "user",
+            "content": [
+                {"type": "tool_result", "tool_use_id": "t1", "content": [image_block(png)]}
+            ],
+        },
+    ]
+
+
+GREEDY = {"temperature": 0}
+
+
+def check_anthropic_turns(
+    vision: dict[str, Any], first: list[dict[str, Any]], other_turn: Any
+) -> None:
+    """The answer is the in-process engine's on the request as the wire parsed it;
+    count_tokens agrees; next turn reads the picture's KV from the cache; the same
+    text with another picture does not."""
+    a, lm = vision["anthropic"], vision["lm"]
+    msg = a.messages.create(model="eyes", max_tokens=6, messages=first, extra_body=GREEDY)
+    chat = parse_messages_request(
+        {"model": "eyes", "max_tokens": 6, "messages": first, **GREEDY}, max_tokens_limit=64
+    ).chat
+    assert sum(len(m.images) for m in chat.messages) == 1
+    text = "".join(b.text for b in msg.content if b.type == "text")
+    assert text and text == in_process_text(lm, chat)
+    n = a.messages.count_tokens(model="eyes", messages=first).input_tokens
+    assert n == msg.usage.input_tokens
+    span = lm.prompt(chat).media.spans[0]
+
+    second = [*first, {"role": "assistant", "content": text or "ok"}]
+    second.append({"role": "user", "content": "And the colors?"})
+    again = a.messages.create(model="eyes", max_tokens=4, messages=second, extra_body=GREEDY)
+    assert again.usage.cache_read_input_tokens >= span.end  # the picture's KV, reused
+    other = a.messages.create(model="eyes", max_tokens=4, messages=other_turn, extra_body=GREEDY)
+    assert other.usage.cache_read_input_tokens <= span.start
+
+
+def test_a_vision_model_reads_the_picture_in_a_user_turn(vision: dict[str, Any]) -> None:
+    check_anthropic_turns(vision, user_turn(noise_png(1)), user_turn(noise_png(2)))
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="chat/template.py spells a tool result as <tool_response> text for templates "
+    "without a tool role and drops its content parts: the picture never reaches the model",
+)
+def test_a_vision_model_reads_the_picture_in_a_tool_result(vision: dict[str, Any]) -> None:
+    check_anthropic_turns(vision, read_tool(noise_png(4)), read_tool(noise_png(5)))
+
+
+def test_a_vision_model_reads_a_chat_image_url_streamed(vision: dict[str, Any]) -> None:
+    oa, lm = vision["openai"], vision["lm"]
+    url = "data:image/png;base64," + noise_png(3)
+    body = {
+        "model": "eyes",
+        "max_tokens": 6,
+        "temperature": 0,
+        "messages": [
+            {
+                "role": "user",
+                "content": [
+                    {"type": "image_url", "image_url": {"url": url}},
+                    {"type": "text", "text": "What is this?"},
+                ],
+            }
+        ],
+    }
+    chunks = oa.chat.completions.create(**body, stream=True)
+    streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert streamed and streamed == in_process_text(
+        lm, parse_chat_request(body, max_tokens_limit=64).chat
+    )
