@@ -31,7 +31,13 @@ from mlx_cairn.types import (
 )
 
 #: Picture size per architecture (the processor's smallest, so each test runs in seconds).
-SIZES = {"gemma3": (28, 28), "qwen2_5_vl": (56, 56), "idefics3": (28, 28), "smolvlm": (28, 28)}
+SIZES = {
+    "gemma3": (28, 28),
+    "qwen2_5_vl": (56, 56),
+    "idefics3": (28, 28),
+    "smolvlm": (28, 28),
+    "mistral3": (28, 28),
+}
 ARCHES = list(SIZES)
 
 

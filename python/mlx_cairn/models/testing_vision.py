@@ -27,7 +27,7 @@ from tokenizers import AddedToken
 from mlx_cairn.models.testing import TINY_VOCAB, random_weights, tiny_tokenizer
 
 #: Architectures :func:`tiny_vision_folder` builds.
-VISION_ARCHES = ("gemma3", "qwen2_5_vl", "idefics3", "smolvlm")
+VISION_ARCHES = ("gemma3", "qwen2_5_vl", "idefics3", "smolvlm", "mistral3")
 
 _GEMMA3_TEMPLATE = (
     "{{ bos_token }}"
@@ -66,6 +66,19 @@ _IDEFICS3_TEMPLATE = (
     "{% elif line['type'] == 'image' %}{{ '<image>' }}{% endif %}"
     "{% endfor %}{% endif %}<end_of_utterance>\n{% endfor %}"
     "{% if add_generation_prompt %}{{ 'Assistant:' }}{% endif %}"
+)
+
+
+_MISTRAL3_TEMPLATE = (
+    "{{ bos_token }}{% for message in messages %}"
+    "{% if message['role'] == 'user' %}[INST]"
+    "{% if message['content'] is string %}{{ message['content'] }}"
+    "{% else %}{% for block in message['content'] %}"
+    "{% if block['type'] == 'text' %}{{ block['text'] }}"
+    "{% elif block['type'] == 'image' %}[IMG]{% endif %}{% endfor %}{% endif %}[/INST]"
+    "{% elif message['role'] == 'assistant' %}{{ message['content'] }}{{ eos_token }}"
+    "{% else %}{{ message['content'] if message['content'] is string else '' }}{% endif %}"
+    "{% endfor %}"
 )
 
 
@@ -279,6 +292,68 @@ def _idefics3(folder: Path, model_type: str = "idefics3") -> tuple[dict[str, Any
     return config, {"tokenizer_config.json": tok_config, **files}
 
 
+def _mistral3(folder: Path) -> tuple[dict[str, Any], dict[str, Any]]:
+    hf = _tokenizer(["<s>", "</s>", "[INST]", "[/INST]", "[IMG]", "[IMG_BREAK]", "[IMG_END]"])
+    text = _text(model_type="mistral", rope_theta=10000.0, head_dim=16, tie_word_embeddings=False)
+    config = {
+        "model_type": "mistral3",
+        "architectures": ["Mistral3ForConditionalGeneration"],
+        "image_token_index": hf.token_to_id("[IMG]"),
+        "spatial_merge_size": 2,
+        "vision_feature_layer": -1,
+        "multimodal_projector_bias": False,
+        "projector_hidden_act": "gelu",
+        "vocab_size": TINY_VOCAB,
+        "eos_token_id": hf.token_to_id("</s>"),
+        "text_config": text,
+        "vision_config": {
+            "model_type": "pixtral",
+            "hidden_size": 32,
+            "head_dim": 16,
+            "intermediate_size": 64,
+            "num_hidden_layers": 1,
+            "num_attention_heads": 2,
+            "image_size": 28,
+            "patch_size": 7,
+            "rope_theta": 10000.0,
+        },
+    }
+    tok_config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": "<s>",
+        "eos_token": "</s>",
+        "pad_token": "<|endoftext|>",
+        "add_bos_token": False,
+    }
+    files = {
+        "preprocessor_config.json": {
+            "image_processor_type": "PixtralImageProcessor",
+            "processor_class": "PixtralProcessor",
+            "do_resize": True,
+            "size": {"longest_edge": 28},
+            "patch_size": {"height": 7, "width": 7},
+            "resample": 3,
+            "do_rescale": True,
+            "rescale_factor": 1 / 255,
+            "do_normalize": True,
+            "image_mean": [0.48145466, 0.4578275, 0.40821073],
+            "image_std": [0.26862954, 0.26130258, 0.27577711],
+            "do_convert_rgb": True,
+        },
+        "processor_config.json": {
+            "processor_class": "PixtralProcessor",
+            "patch_size": 7,
+            "spatial_merge_size": 2,
+            "image_token": "[IMG]",
+            "image_break_token": "[IMG_BREAK]",
+            "image_end_token": "[IMG_END]",
+        },
+    }
+    hf.save(str(folder / "tokenizer.json"))
+    (folder / "chat_template.jinja").write_text(_MISTRAL3_TEMPLATE)
+    return config, {"tokenizer_config.json": tok_config, **files}
+
+
 def tiny_vision_folder(arch: str, folder: Path, seed: int = 0) -> Path:
     """Write a random-weight ``arch`` (:data:`VISION_ARCHES`) checkpoint into ``folder``."""
     from mlx_vlm.utils import get_model_and_args
@@ -290,6 +365,7 @@ def tiny_vision_folder(arch: str, folder: Path, seed: int = 0) -> Path:
         "qwen2_5_vl": _qwen2_5_vl,
         "idefics3": _idefics3,
         "smolvlm": lambda f: _idefics3(f, "smolvlm"),
+        "mistral3": _mistral3,
     }.get(arch)
     if build is None:
         raise ValueError(f"unknown tiny vision architecture {arch!r}")

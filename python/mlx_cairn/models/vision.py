@@ -346,6 +346,33 @@ class VisionZooModel(ZooModel):
 # --------------------------------------------------------------------- loading
 
 
+def _materialize_everything(root: Any) -> None:
+    """Evaluate every array reachable from ``root``, parameters or not (Pixtral's
+    rotary tables live on a plain object): MLX cannot evaluate, on the engine
+    thread, a lazy array built on this one."""
+    seen: set[int] = set()
+    todo = [root]
+    found: list[mx.array] = []
+    while todo:
+        obj = todo.pop()
+        if id(obj) in seen:
+            continue
+        seen.add(id(obj))
+        if isinstance(obj, mx.array):
+            found.append(obj)
+        elif isinstance(obj, nn.Module):
+            todo.extend(obj.values())
+            todo.extend(vars(obj).values())
+        elif isinstance(obj, dict):
+            todo.extend(obj.values())
+        elif isinstance(obj, (list, tuple)):
+            todo.extend(obj)
+        elif hasattr(obj, "__dict__") and not isinstance(obj, type):
+            if (type(obj).__module__ or "").startswith("mlx_vlm"):
+                todo.extend(vars(obj).values())
+    mx.eval(found)
+
+
 def load_vision_model(
     folder: Path, dtype: str, keep_quantized: bool | None
 ) -> tuple[VisionZooModel, Vision, dict[str, Any], str]:
@@ -373,6 +400,7 @@ def load_vision_model(
         dequantize_model(vlm, compute)
     cast_floats(vlm, compute)
     mx.eval(vlm.parameters())
+    _materialize_everything(vlm)
     vlm.eval()
     vision = Vision(vlm, processor, model_type)
     text_config = dict(config.get("text_config") or config)

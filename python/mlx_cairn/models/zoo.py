@@ -431,8 +431,9 @@ class _PassThrough:
     def __init__(self, real: nn.Module) -> None:
         self._real = real
 
-    def __call__(self, x: mx.array, *args: Any, **kwargs: Any) -> mx.array:
-        return x
+    def __call__(self, x: mx.array | None = None, *args: Any, **kwargs: Any) -> mx.array:
+        # Some heads call ``self.model(inputs=..., ...)`` by keyword (mlx-vlm's Mistral 3).
+        return x if x is not None else kwargs.get("inputs")  # type: ignore[return-value]
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._real, name)
