@@ -367,9 +367,12 @@ def _materialize_everything(root: Any) -> None:
             todo.extend(obj.values())
         elif isinstance(obj, (list, tuple)):
             todo.extend(obj)
-        elif hasattr(obj, "__dict__") and not isinstance(obj, type):
-            if (type(obj).__module__ or "").startswith("mlx_vlm"):
-                todo.extend(vars(obj).values())
+        elif (
+            hasattr(obj, "__dict__")
+            and not isinstance(obj, type)
+            and (type(obj).__module__ or "").startswith("mlx_vlm")
+        ):
+            todo.extend(vars(obj).values())
     mx.eval(found)
 
 
