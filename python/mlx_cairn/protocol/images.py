@@ -40,6 +40,8 @@ import urllib.parse
 from dataclasses import dataclass
 from typing import Any
 
+import orjson
+
 from mlx_cairn.errors import InvalidRequest
 from mlx_cairn.protocol.base import fail, short
 from mlx_cairn.types import IMAGE_MARK, ChatRequest, Image, Message
@@ -63,6 +65,7 @@ MEDIA_TYPES = {
 _FORMATS = ("PNG", "JPEG", "GIF", "WEBP")
 _WHAT = "a PNG, JPEG, GIF or WebP image"
 _SPACE = re.compile(rb"\s+")
+_MARK_BYTES = IMAGE_MARK.encode()
 
 
 @dataclass(frozen=True, slots=True)
@@ -257,6 +260,11 @@ def strip_marks(value: Any) -> Any:
     """
     if isinstance(value, str):
         return value.replace(IMAGE_MARK, "") if IMAGE_MARK in value else value
+    try:  # the common case, no mark at all, in C: about 1 ms per MB (the walk takes 5)
+        if _MARK_BYTES not in orjson.dumps(value):
+            return value
+    except orjson.JSONEncodeError:  # nested deeper than orjson writes: walk it
+        pass
     stack = [value]
     while stack:
         node = stack.pop()
