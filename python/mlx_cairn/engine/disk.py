@@ -15,7 +15,7 @@ Files (one per batch of blocks, ``<dir>/<model key>/<n>.kvb``)::
 
     MAGIC | u32 header length | header (JSON) | payload (below)
     header: format version, model key (identity, block size, dtype, layer
-            shapes), block bytes, per block its chain hash and CRC-32C;
+            shapes; quantized pools: bits, group size), block bytes, per block its chain hash and CRC-32C;
             padded with spaces so that the payload starts at a 4 KiB boundary
 
 The payload is layer-major: per KV layer, the K rows of all the file's
