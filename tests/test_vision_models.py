@@ -34,6 +34,7 @@ from mlx_cairn.types import (
 SIZES = {
     "gemma3": (28, 28),
     "qwen2_5_vl": (56, 56),
+    "qwen3_vl": (64, 64),
     "idefics3": (28, 28),
     "smolvlm": (28, 28),
     "mistral3": (28, 28),

@@ -27,7 +27,7 @@ from tokenizers import AddedToken
 from mlx_cairn.models.testing import TINY_VOCAB, random_weights, tiny_tokenizer
 
 #: Architectures :func:`tiny_vision_folder` builds.
-VISION_ARCHES = ("gemma3", "qwen2_5_vl", "idefics3", "smolvlm", "mistral3")
+VISION_ARCHES = ("gemma3", "qwen2_5_vl", "qwen3_vl", "idefics3", "smolvlm", "mistral3")
 
 _GEMMA3_TEMPLATE = (
     "{{ bos_token }}"
@@ -175,6 +175,53 @@ def _gemma3(folder: Path) -> tuple[dict[str, Any], dict[str, Any]]:
     hf.save(str(folder / "tokenizer.json"))
     (folder / "chat_template.jinja").write_text(_GEMMA3_TEMPLATE)
     return config, {"tokenizer_config.json": tok_config, **files}
+
+
+def _qwen3_vl(folder: Path) -> tuple[dict[str, Any], dict[str, Any]]:
+    config, files = _qwen2_5_vl(folder)
+    text = dict(config["text_config"])
+    text.update(model_type="qwen3_vl", head_dim=16)
+    text["rope_scaling"] = {
+        "rope_type": "default",
+        "mrope_section": [2, 3, 3],
+        "mrope_interleaved": True,
+    }
+    for k in list(config):
+        if k in text and k != "model_type":
+            del config[k]
+    config.update(
+        model_type="qwen3_vl",
+        architectures=["Qwen3VLForConditionalGeneration"],
+        text_config=text,
+        tie_word_embeddings=False,
+    )
+    config["vision_config"] = {
+        "model_type": "qwen3_vl",
+        "depth": 2,
+        "hidden_size": 32,
+        "intermediate_size": 64,
+        "num_heads": 2,
+        "out_hidden_size": 64,
+        "patch_size": 16,
+        "spatial_merge_size": 2,
+        "temporal_patch_size": 2,
+        "num_position_embeddings": 16,
+        "deepstack_visual_indexes": [0],
+        "in_channels": 3,
+    }
+    pre = dict(files["preprocessor_config.json"])
+    pre.update(
+        image_processor_type="Qwen2VLImageProcessorFast",
+        processor_class="Qwen3VLProcessor",
+        patch_size=16,
+        min_pixels=64 * 64,
+        max_pixels=64 * 64 * 4,
+        size={"shortest_edge": 64 * 64, "longest_edge": 64 * 64 * 4},
+        image_mean=[0.5, 0.5, 0.5],
+        image_std=[0.5, 0.5, 0.5],
+    )
+    files["preprocessor_config.json"] = pre
+    return config, files
 
 
 def _qwen2_5_vl(folder: Path) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -363,6 +410,7 @@ def tiny_vision_folder(arch: str, folder: Path, seed: int = 0) -> Path:
     build = {
         "gemma3": _gemma3,
         "qwen2_5_vl": _qwen2_5_vl,
+        "qwen3_vl": _qwen3_vl,
         "idefics3": _idefics3,
         "smolvlm": lambda f: _idefics3(f, "smolvlm"),
         "mistral3": _mistral3,

@@ -95,6 +95,19 @@ class Media:
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
 
+@dataclass(frozen=True, slots=True)
+class Features:
+    """What a picture's span feeds the language model."""
+
+    #: [len(span), hidden]: the span's input embeddings.
+    embeds: mx.array
+    #: Qwen3-VL's deepstack: per early layer, [visual tokens, hidden] added to its
+    #: output at the visual positions (None for other models).
+    deepstack: list[mx.array] | None = None
+    #: [len(span)] which of the span's positions are visual tokens (with deepstack).
+    visual: np.ndarray | None = None
+
+
 def _hash_id(digest: str) -> int:
     return _HASH_ID_BIT | int(digest[:7], 16)
 
@@ -121,7 +134,7 @@ class Vision:
         if not isinstance(ph_id, int) or ph_id < 0:
             raise ModelLoadError(f"the image token {ph!r} is not in the vocabulary")
         self.placeholder_id = ph_id
-        self._features: OrderedDict[str, mx.array] = OrderedDict()
+        self._features: OrderedDict[str, Features] = OrderedDict()
         self._processed: OrderedDict[str, tuple[tuple[int, ...], Any, dict[str, Any]]] = (
             OrderedDict()
         )
@@ -202,12 +215,12 @@ class Vision:
 
     # ------------------------------------------------------------- engine thread
 
-    def features(self, span: ImageSpan) -> mx.array:
-        """[len(span.ids), hidden]: the embeddings of ``span`` (the vision tower's output
-        at the image tokens, the token embeddings elsewhere), cached by digest."""
+    def features(self, span: ImageSpan) -> Features:
+        """The embeddings of ``span`` (the vision tower's output at the image tokens,
+        the token embeddings elsewhere), and Qwen3-VL's deepstack features, cached by digest."""
         digest = span.image.digest
         got = self._features.get(digest)
-        if got is not None and got.shape[0] == len(span.ids):
+        if got is not None and got.embeds.shape[0] == len(span.ids):
             self._features.move_to_end(digest)
             return got
         ids = mx.array([list(span.ids)], dtype=mx.int32)
@@ -221,8 +234,13 @@ class Vision:
         emb = self.vlm.get_input_embeddings(
             ids, pixels, mask=mx.ones(ids.shape, dtype=mx.int32), **extra
         )
-        got = emb.inputs_embeds[0]
-        mx.eval(got)
+        deep = getattr(emb, "deepstack_visual_embeds", None)
+        visual = None
+        if deep is not None:
+            deep = list(deep)
+            visual = np.asarray(emb.visual_pos_masks).reshape(-1).astype(bool)
+        got = Features(emb.inputs_embeds[0], deep, visual)
+        mx.eval(got.embeds, *(deep or []))
         self.encoded += 1
         self._features[digest] = got
         while len(self._features) > FEATURE_CACHE_IMAGES:
@@ -300,6 +318,8 @@ class VisionZooModel(ZooModel):
         if not has_media:
             return self._run(tokens, None, caches, kwargs)
         emb = self._embed(tokens)
+        visual = np.zeros(tokens.shape[:2], dtype=bool)
+        deep: list[list[mx.array]] = []
         for b, (media, start, n) in enumerate(feeds):
             if media is None:
                 continue
@@ -307,10 +327,20 @@ class VisionZooModel(ZooModel):
                 lo, hi = max(span.start, start), min(span.end, start + n)
                 if lo >= hi:
                     continue
-                feats = self.vision.features(span)
-                emb[b, lo - start : hi - start] = feats[lo - span.start : hi - span.start].astype(
-                    emb.dtype
-                )
+                f = self.vision.features(span)
+                a, z = lo - span.start, hi - span.start
+                emb[b, lo - start : hi - start] = f.embeds[a:z].astype(emb.dtype)
+                if f.deepstack is not None and f.visual is not None:
+                    # Rows in order, positions in order: how the layers consume them.
+                    mask = f.visual[a:z]
+                    visual[b, lo - start : hi - start] = mask
+                    first, k = int(f.visual[:a].sum()), int(mask.sum())
+                    deep += [[] for _ in range(len(f.deepstack) - len(deep))]
+                    for i, d in enumerate(f.deepstack):
+                        deep[i].append(d[first : first + k])
+        if deep and visual.any():
+            kwargs["visual_pos_masks"] = mx.array(visual)
+            kwargs["deepstack_visual_embeds"] = [mx.concatenate(p, axis=0) for p in deep]
         return self._run(tokens, emb, caches, kwargs)
 
     def _run(
