@@ -773,3 +773,44 @@ def test_a_vision_model_reads_a_chat_image_url_streamed(vision: dict[str, Any]) 
     assert streamed and streamed == in_process_text(
         lm, parse_chat_request(body, max_tokens_limit=64).chat
     )
+
+
+def test_serve_flags_reach_the_config() -> None:
+    import argparse
+
+    from mlx_cairn.api.server import ServeError, add_arguments, build
+
+    def config(*argv: str) -> ServerConfig:
+        p = argparse.ArgumentParser()
+        add_arguments(p)
+        return build(p.parse_args(list(argv)), {})[1]
+
+    assert config().images == ImageLimits()
+    assert ImageLimits() == ImageLimits(
+        max_pixels=32 * 1024 * 1024,
+        max_bytes=20 * 1024 * 1024,
+        max_images=100,
+        allow_urls=False,
+        url_timeout=10.0,
+    )
+    got = config(
+        "--max-image-pixels", "1000", "--max-image-bytes", "2000", "--max-images", "0",
+        "--allow-image-urls", "--image-url-timeout", "2.5",
+    )  # fmt: skip
+    assert got.images == ImageLimits(1000, 2000, 0, True, 2.5)
+    with pytest.raises(SystemExit):
+        config("--max-image-pixels", "0")
+    bad = _parsed()  # a Namespace built in code is checked by build() itself
+    bad.image_url_timeout = -1.0
+    with pytest.raises(ServeError, match="--image-url-timeout"):
+        build(bad, {})
+
+
+def _parsed() -> Any:
+    import argparse
+
+    from mlx_cairn.api.server import add_arguments
+
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    return p.parse_args([])
