@@ -604,6 +604,16 @@ def test_images_reach_the_engine_in_every_dialect(live: dict[str, Any]) -> None:
     assert seen.requests == [[[RED.digest]]] * 5
 
 
+def test_completions_prompts_lose_the_mark_too(live: dict[str, Any]) -> None:
+    oa = live["openai"]
+
+    def tokens(prompt: str) -> int:
+        c = oa.completions.create(model="text", prompt=prompt, max_tokens=1, temperature=0)
+        return c.usage.prompt_tokens
+
+    assert tokens(f"a{IMAGE_MARK}b{IMAGE_MARK}") == tokens("ab") < tokens("a\ue0f1b\ue0f1")
+
+
 def test_image_urls_are_fetched_only_when_allowed(live: dict[str, Any]) -> None:
     f, host, seen = live["fetching"], live["host"], live["seen"]
     seen.requests.clear()

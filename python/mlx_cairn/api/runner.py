@@ -70,7 +70,7 @@ from mlx_cairn.api.state import AppState, app_state, read_json
 from mlx_cairn.errors import CairnError, ContextLengthExceeded, error_kind
 from mlx_cairn.models.embedding import model_kind, not_a_chat_model
 from mlx_cairn.protocol.base import Codec, Framing, WireEvent, check_depth, framing_of
-from mlx_cairn.protocol.images import fetch_pending, has_images, refuse_images
+from mlx_cairn.protocol.images import fetch_pending, has_images, refuse_images, strip_marks
 from mlx_cairn.protocol.sse import json_bytes
 from mlx_cairn.types import ChatRequest, Done, Error, Event
 
@@ -178,7 +178,9 @@ async def serve_generation(
 
 def _check_and_parse(parse: Callable[[Any, AppState], R], body: Any, state: AppState) -> R:
     check_depth(body)
-    return parse(body, state)
+    # Every mark in a prompt is an image the wire placed (the image dialects strip
+    # their bodies too; this covers the rest: completions, infill).
+    return parse(strip_marks(body), state)
 
 
 async def _start(
