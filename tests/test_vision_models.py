@@ -242,3 +242,50 @@ def test_model_listing_says_vision(model: tuple[str, Any, Path], tmp_path: Path)
     ]
     body = _with_loaded({"data": [{} for _ in infos]}, infos)
     assert [e["capabilities"]["vision"] for e in body["data"]] == [True, True, False]
+
+
+def test_disk_tier_knows_the_picture(model: tuple[str, Any, Path], tmp_path: Path) -> None:
+    """After a restart, the same conversation and picture read their KV from the disk
+    tier; another picture with the same text reads none past it; answers are unchanged."""
+    arch, lm, _ = model
+    a, b = picture(arch, 6), picture(arch, 7)
+    first = ask("What is this?", [a])
+    disk = tmp_path / "kv"
+    with Engine(lm, num_blocks=96, block_size=4, kv_disk_dir=disk, kv_disk_gb=0.1) as e:
+        [(want, _, _)] = run(e, [first])
+    span = lm.prompt(first).media.spans[0]
+    with Engine(lm, num_blocks=96, block_size=4, kv_disk_dir=disk, kv_disk_gb=0.1) as e:
+        [(got, done, _)] = run(e, [first])
+        assert done.usage.cached_tokens >= span.end, (done.usage.cached_tokens, span.end)
+        assert e.stats().disk_hit_blocks > 0
+        other = ask("What is this?", [b])
+        [(_, done_b, _)] = run(e, [other])
+        assert done_b.usage.cached_tokens <= span.start, (done_b.usage.cached_tokens, span.start)
+        assert_at_rest(e)
+    assert got == want
+
+
+def test_image_inside_a_tool_result(
+    model: tuple[str, Any, Path], mlx_vlm_model: tuple[Any, Any]
+) -> None:
+    """A tool-role message carries pictures too (an Anthropic tool_result with an image):
+    rendered as content parts (through the tool-result fallback of templates without
+    tools too), expanded, and answered."""
+    arch, lm, _ = model
+    img = picture(arch, 8)
+    req = ChatRequest(
+        messages=[
+            Message("user", "Open the file."),
+            Message("tool", f"Here it is: {IMAGE_MARK}", images=[img], tool_call_id="t1"),
+        ],
+        max_tokens=6,
+        sampling=SamplingParams(temperature=0.0),
+    )
+    p = lm.prompt(req)
+    assert "Here it is:" in p.text and len(p.media.spans) == 1
+    with Engine(lm, num_blocks=64, block_size=4) as e:
+        [(ids, done, _)] = run(e, [req])
+        assert done.usage.input_tokens == len(p.ids)
+        assert_at_rest(e)
+    assert ids
+    assert ids == mlx_vlm_greedy(lm, mlx_vlm_model, req)[0]

@@ -173,7 +173,15 @@ def _fallback_tools(
             m["content"] = "\n".join(p for p in parts if p)
         if m["role"] == "tool":
             m["role"] = "user"
-            m["content"] = f"<tool_response>\n{m.get('content', '')}\n</tool_response>"
+            content = m.get("content", "")
+            if isinstance(content, list):  # content parts (a picture in the result)
+                m["content"] = [
+                    {"type": "text", "text": "<tool_response>\n"},
+                    *content,
+                    {"type": "text", "text": "\n</tool_response>"},
+                ]
+            else:
+                m["content"] = f"<tool_response>\n{content}\n</tool_response>"
             m.pop("tool_call_id", None)
             m.pop("name", None)
     return out
