@@ -16,7 +16,7 @@ pytest.importorskip("mlx_vlm")
 from PIL import Image as PILImage
 
 from mlx_cairn.engine import Engine
-from mlx_cairn.engine.testing import assert_at_rest
+from mlx_cairn.engine.testing import assert_at_rest, greedy_reference
 from mlx_cairn.models import load
 from mlx_cairn.models.testing_vision import tiny_vision_folder
 from mlx_cairn.types import (
@@ -175,6 +175,8 @@ def test_greedy_equals_mlx_vlm_batched(
                 assert ids == want, req.messages[-1].content
                 # The same distribution, not only the same argmax.
                 np.testing.assert_allclose(lp, want_lp, atol=2e-3)
+            else:  # a text row of a vision model: the one-sequence reference loop's
+                assert ids == greedy_reference(lm, lm.prompt(req).ids, req.max_tokens)
         assert_at_rest(engine)
 
 

@@ -41,8 +41,12 @@ from mlx_cairn.types import ChatRequest, Image
 
 #: Vision-tower outputs kept per model (pictures; each a few hundred rows of hidden size).
 FEATURE_CACHE_IMAGES = 64
+#: ... and at most this many bytes of them (a 1k-token picture of a 4k-wide model: 16 MiB).
+FEATURE_CACHE_BYTES = 512 << 20
 #: Processor outputs kept per model (token expansion and pixel values of a picture).
 PROCESSOR_CACHE_IMAGES = 64
+#: ... and at most this many bytes of pixel values.
+PROCESSOR_CACHE_BYTES = 256 << 20
 #: Hash ids of image positions: this bit set, the digest's low bits below it.
 _HASH_ID_BIT = 1 << 30
 
@@ -106,6 +110,10 @@ class Features:
     deepstack: list[mx.array] | None = None
     #: [len(span)] which of the span's positions are visual tokens (with deepstack).
     visual: np.ndarray | None = None
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.embeds.nbytes) + sum(int(d.nbytes) for d in self.deepstack or ())
 
 
 def _hash_id(digest: str) -> int:
@@ -175,7 +183,10 @@ class Vision:
         got = (ids, np.asarray(out["pixel_values"]), extra)
         with self._lock:
             self._processed[image.digest] = got
-            while len(self._processed) > PROCESSOR_CACHE_IMAGES:
+            while len(self._processed) > 1 and (
+                len(self._processed) > PROCESSOR_CACHE_IMAGES
+                or sum(v[1].nbytes for v in self._processed.values()) > PROCESSOR_CACHE_BYTES
+            ):
                 self._processed.popitem(last=False)
         return got
 
@@ -243,7 +254,10 @@ class Vision:
         mx.eval(got.embeds, *(deep or []))
         self.encoded += 1
         self._features[digest] = got
-        while len(self._features) > FEATURE_CACHE_IMAGES:
+        while len(self._features) > 1 and (
+            len(self._features) > FEATURE_CACHE_IMAGES
+            or sum(f.nbytes for f in self._features.values()) > FEATURE_CACHE_BYTES
+        ):
             self._features.popitem(last=False)
         return got
 
@@ -352,12 +366,10 @@ class VisionZooModel(ZooModel):
     def _positions(self, shape: tuple[int, ...], cache: Any, feeds: Any) -> mx.array:
         """[3, B, L] multimodal RoPE positions of a call's rows."""
         b, n = shape[0], shape[1]
-        offs = np.asarray(
-            getattr(cache, "_np_offs", None) if hasattr(cache, "_np_offs") else cache.offsets,
-            dtype=np.int64,
-        ).reshape(-1)
-        if offs.size == 1 and b > 1:
-            offs = np.full(b, int(offs[0]))
+        if hasattr(cache, "_np_offs"):  # the engine's paged view: per-row offsets
+            offs = np.asarray(cache._np_offs, dtype=np.int64).reshape(-1)
+        else:  # one contiguous sequence (the reference loop)
+            offs = np.full(b, int(cache.offset), dtype=np.int64)
         pos = np.broadcast_to(offs[:, None] + np.arange(n)[None, :], (3, b, n)).copy()
         if feeds is not None:
             for row, (media, start, _) in enumerate(feeds):
