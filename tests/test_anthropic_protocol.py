@@ -208,7 +208,7 @@ def test_tool_results_with_text_and_unknown_ids() -> None:
         ("tool", "a", "A"),
         ("tool", "b", "B"),
         ("tool", "zzz", "?"),
-        ("user", None, "here you go\n[document omitted: this model reads text only]"),
+        ("user", None, "here you go\n[document omitted: not read by this server]"),
     ]
     assert r.chat.messages[2].name == "f" and r.chat.messages[3].name == "g"
 

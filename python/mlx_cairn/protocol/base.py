@@ -142,8 +142,9 @@ def tool_call_as_text(ev: ToolCall) -> str:
 
 # ------------------------------------------ request validation (every dialect)
 
-#: What an image, document or audio part becomes: the models served read text only.
-MEDIA_PLACEHOLDER = "[{kind} omitted: this model reads text only]"
+#: What a document, audio or file part (or an image where none is read: an assistant
+#: turn) becomes in the prompt.
+MEDIA_PLACEHOLDER = "[{kind} omitted: not read by this server]"
 
 
 def fail(param: str, message: str) -> InvalidRequest:
