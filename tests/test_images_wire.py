@@ -29,6 +29,8 @@ import openai
 import PIL.Image
 import PIL.ImageFile
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from live_server import registry_for, serve
 from mlx_cairn.api import ServerConfig
@@ -181,6 +183,31 @@ def test_bad_data_is_a_clear_error() -> None:
     # Whitespace and missing padding, as some clients send base64, are fine.
     wrapped = "\n".join(PNG_B64[i : i + 60] for i in range(0, len(PNG_B64), 60)).rstrip("=")
     assert reader.base64(wrapped, "image/png", "p").digest == RED.digest
+
+
+SAMPLES = [
+    encoded(picture("teal", (9, 7)), fmt, **kw)
+    for fmt, kw in (("PNG", {}), ("JPEG", {}), ("GIF", {}), ("WEBP", {"lossless": True}))
+]
+
+
+@given(
+    which=st.integers(0, len(SAMPLES) - 1),
+    edits=st.lists(st.tuples(st.integers(0, 10_000), st.integers(0, 255)), max_size=8),
+    cut=st.integers(1, 10_000),
+)
+def test_mangled_images_decode_or_are_refused(
+    which: int, edits: list[tuple[int, int]], cut: int
+) -> None:
+    """Any byte edits and cuts of a valid file: an Image, or a 400; nothing else."""
+    data = bytearray(SAMPLES[which])
+    for at, byte in edits:
+        data[at % len(data)] = byte
+    try:
+        img = decode_image(bytes(data[:cut]), ImageLimits(max_pixels=4096), "x")
+    except InvalidRequest:
+        return
+    assert img.pixels.mode == "RGB" and img.width * img.height <= 4096
 
 
 def test_data_urls() -> None:
