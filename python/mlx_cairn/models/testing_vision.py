@@ -401,8 +401,19 @@ def _mistral3(folder: Path) -> tuple[dict[str, Any], dict[str, Any]]:
     return config, {"tokenizer_config.json": tok_config, **files}
 
 
-def tiny_vision_folder(arch: str, folder: Path, seed: int = 0) -> Path:
-    """Write a random-weight ``arch`` (:data:`VISION_ARCHES`) checkpoint into ``folder``."""
+def tiny_vision_folder(
+    arch: str,
+    folder: Path,
+    seed: int = 0,
+    *,
+    text: dict[str, Any] | None = None,
+    vision: dict[str, Any] | None = None,
+    preprocessor: dict[str, Any] | None = None,
+) -> Path:
+    """Write a random-weight ``arch`` (:data:`VISION_ARCHES`) checkpoint into ``folder``.
+
+    ``text`` / ``vision`` / ``preprocessor`` override entries of the text config,
+    the vision config and ``preprocessor_config.json`` (a larger model for a bench)."""
     from mlx_vlm.utils import get_model_and_args
 
     folder = Path(folder)
@@ -418,6 +429,15 @@ def tiny_vision_folder(arch: str, folder: Path, seed: int = 0) -> Path:
     if build is None:
         raise ValueError(f"unknown tiny vision architecture {arch!r}")
     config, files = build(folder)
+    if text:
+        config["text_config"].update(text)
+        for k, v in text.items():  # Qwen2.5-VL repeats the text config on top
+            if k in config:
+                config[k] = v
+    if vision:
+        config["vision_config"].update(vision)
+    if preprocessor:
+        files["preprocessor_config.json"].update(preprocessor)
     (folder / "config.json").write_text(json.dumps(config, indent=1))
     for name, body in files.items():
         (folder / name).write_text(json.dumps(body, indent=1))

@@ -445,6 +445,11 @@ def load_vision_model(
         dequantize_model(vlm, compute)
     cast_floats(vlm, compute)
     mx.eval(vlm.parameters())
+    if compute == mx.float32 and mx.default_device() == mx.cpu:
+        from mlx_cairn.models.cpu_layout import apply_cpu_layout_generic
+
+        # The language model's dense linears in the layout the CPU multiplies fastest.
+        apply_cpu_layout_generic(vlm.language_model)
     _materialize_everything(vlm)
     vlm.eval()
     vision = Vision(vlm, processor, model_type)
