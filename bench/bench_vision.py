@@ -125,7 +125,15 @@ def ours(engine: Engine, reqs: list[ChatRequest]) -> tuple[list[Done], list[list
 
 
 def theirs(lm: Any, vlm: Any, req: ChatRequest) -> tuple[float, list[int], float]:
-    """mlx-vlm's generate_step on our rendered prompt: (TTFT s, tokens, total s)."""
+    """mlx-vlm's generate_step on our rendered prompt: (TTFT s, tokens, total s), with
+    its own attention (ours is patched into its modules process-wide)."""
+    from mlx_cairn.models import cpu_attention
+
+    with cpu_attention.disabled():
+        return _theirs(lm, vlm, req)
+
+
+def _theirs(lm: Any, vlm: Any, req: ChatRequest) -> tuple[float, list[int], float]:
     import mlx.core as mx
     from mlx_vlm.generate.ar import generate_step
     from mlx_vlm.utils import prepare_inputs

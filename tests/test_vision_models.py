@@ -17,7 +17,7 @@ from PIL import Image as PILImage
 
 from mlx_cairn.engine import Engine
 from mlx_cairn.engine.testing import assert_at_rest, greedy_reference
-from mlx_cairn.models import load
+from mlx_cairn.models import cpu_attention, load
 from mlx_cairn.models.testing_vision import tiny_vision_folder
 from mlx_cairn.types import (
     IMAGE_MARK,
@@ -78,7 +78,6 @@ def mlx_vlm_greedy(
 ) -> tuple[list[int], list[float]]:
     """mlx-vlm's own generation on the same prompt: its processor over the rendered text
     (whose ids must be ours), its model, its caches."""
-    from mlx_vlm.generate.ar import generate_step
     from mlx_vlm.utils import prepare_inputs
 
     model, processor = vlm
@@ -94,20 +93,27 @@ def mlx_vlm_greedy(
     }
     out: list[int] = []
     logprobs: list[float] = []
-    for tok, lp in generate_step(
+    with cpu_attention.disabled():  # mlx-vlm's own attention, even in patched modules
+        for tok, lp in _generate(ids, model, inputs, req.max_tokens, extra):
+            out.append(int(tok))
+            logprobs.append(float(lp[int(tok)].item()))
+            if tok in lm.eos_token_ids:
+                break
+    return out, logprobs
+
+
+def _generate(ids: Any, model: Any, inputs: Any, max_tokens: int, extra: Any) -> Any:
+    from mlx_vlm.generate.ar import generate_step
+
+    yield from generate_step(
         ids,
         model,
         inputs["pixel_values"],
         inputs["attention_mask"],
-        max_tokens=req.max_tokens,
+        max_tokens=max_tokens,
         temperature=0.0,
         **extra,
-    ):
-        out.append(int(tok))
-        logprobs.append(float(lp[int(tok)].item()))
-        if tok in lm.eos_token_ids:
-            break
-    return out, logprobs
+    )
 
 
 def run(

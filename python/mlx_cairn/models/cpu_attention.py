@@ -179,20 +179,22 @@ def _wrap(original: Any) -> Any:
     return scaled_dot_product_attention
 
 
-def install(model: nn.Module) -> int:
+def install(model: nn.Module, prefix: str = "mlx_lm.models.") -> int:
     """Route fp32 CPU attention of ``model``'s architecture modules to this file.
 
     Patches the ``scaled_dot_product_attention`` name in each ``mlx_lm.models``
     module that defines one of ``model``'s classes (process-wide for those
     modules; other cases still run mlx-lm's function). ``CAIRN_CPU_ATTENTION=0``
-    turns it off. Returns the number of modules patched.
+    turns it off. Returns the number of modules patched. ``prefix``: the package
+    whose modules are patched (``"mlx_vlm.models."`` for a vision model's language
+    model, whose attention function has the same contract).
     """
     if os.environ.get("CAIRN_CPU_ATTENTION", "1").lower() in ("0", "off"):
         return 0
     patched = 0
     for name in sorted(cpu_kernels.model_modules(model)):
         mod = sys.modules.get(name)
-        if mod is None or not name.startswith("mlx_lm.models."):
+        if mod is None or not name.startswith(prefix):
             continue
         fn = getattr(mod, "scaled_dot_product_attention", None)
         if fn is None or hasattr(fn, "_cairn_original"):

@@ -446,10 +446,13 @@ def load_vision_model(
     cast_floats(vlm, compute)
     mx.eval(vlm.parameters())
     if compute == mx.float32 and mx.default_device() == mx.cpu:
+        from mlx_cairn.models import cpu_attention
         from mlx_cairn.models.cpu_layout import apply_cpu_layout_generic
 
-        # The language model's dense linears in the layout the CPU multiplies fastest.
+        # The language model's dense linears in the layout the CPU multiplies fastest,
+        # and its attention on the CPU softmax kernel (as for text models).
         apply_cpu_layout_generic(vlm.language_model)
+        cpu_attention.install(vlm.language_model, prefix="mlx_vlm.models.")
     _materialize_everything(vlm)
     vlm.eval()
     vision = Vision(vlm, processor, model_type)
