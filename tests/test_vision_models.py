@@ -297,3 +297,29 @@ def test_image_inside_a_tool_result(
         assert_at_rest(e)
     assert ids
     assert ids == mlx_vlm_greedy(lm, mlx_vlm_model, req)[0]
+
+
+def test_a_cached_hub_vision_model_loads_by_name(
+    model: tuple[str, Any, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A vision checkpoint in the local HF cache loads by hub name (offline), as text
+    models do, and reads pictures."""
+    from mlx_cairn.api.registry import ModelRegistry
+    from mlx_cairn.models import hub
+
+    arch, _, folder = model
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
+    monkeypatch.delenv("HF_HUB_CACHE", raising=False)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    hub.write_cache_entry(hub.cache_dir(), f"org/tiny-{arch}", folder)
+    reg = ModelRegistry([f"org/tiny-{arch}"])
+    try:
+        lease = reg.lease(f"org/tiny-{arch}")
+        try:
+            assert lease.loaded.takes_images
+            [(ids, _, _)] = run(lease.engine, [ask("What is this?", [picture(arch, 9)])])
+            assert ids
+        finally:
+            lease.release()
+    finally:
+        reg.close()
