@@ -323,3 +323,26 @@ def test_a_cached_hub_vision_model_loads_by_name(
             lease.release()
     finally:
         reg.close()
+
+
+def test_preempted_and_speculated_rows_keep_their_pictures(
+    model: tuple[str, Any, Path], mlx_vlm_model: tuple[Any, Any]
+) -> None:
+    """A pool too small for four image requests preempts some (they recompute their
+    pictures' spans, from the feature cache); n-gram speculation verifies drafts over
+    image prompts: every answer is still mlx-vlm's."""
+    arch, lm, _ = model
+    reqs = [ask("What is this?", [picture(arch, 10 + i)], max_tokens=24) for i in range(4)]
+    want = [mlx_vlm_greedy(lm, mlx_vlm_model, r)[0] for r in reqs]
+    # Room for about two of the four whole sequences.
+    need = max(-(-(len(lm.prompt(r).ids) + len(w)) // 4) for r, w in zip(reqs, want, strict=True))
+    with Engine(lm, num_blocks=2 * need + 2, block_size=4) as engine:
+        got = run(engine, reqs)
+        assert engine.stats().preemptions > 0
+        assert_at_rest(engine)
+    assert [g[0] for g in got] == want
+    with Engine(lm, num_blocks=96, block_size=4, speculative="ngram") as engine:
+        got = run(engine, reqs)
+        assert sum(d.usage.draft_tokens for _, d, _ in got) > 0
+        assert_at_rest(engine)
+    assert [g[0] for g in got] == want
