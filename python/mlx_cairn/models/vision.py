@@ -116,8 +116,11 @@ class Features:
         return int(self.embeds.nbytes) + sum(int(d.nbytes) for d in self.deepstack or ())
 
 
-def _hash_id(digest: str) -> int:
-    return _HASH_ID_BIT | int(digest[:7], 16)
+def _hash_ids(digest: str, n: int) -> list[int]:
+    """The ids the block hashes see at a picture's ``n`` positions: 28-bit slices of its
+    digest in turn (252 of its 256 bits over any 9 positions), above every vocabulary."""
+    parts = [int(digest[k : k + 7], 16) for k in range(0, len(digest) - 6, 7)]
+    return [_HASH_ID_BIT | parts[i % len(parts)] for i in range(n)]
 
 
 class Vision:
@@ -215,7 +218,7 @@ class Vision:
         out.extend(ids[prev:])
         hash_ids = list(out)
         for s in spans:
-            hash_ids[s.start : s.end] = [_hash_id(s.image.digest)] * len(s.ids)
+            hash_ids[s.start : s.end] = _hash_ids(s.image.digest, len(s.ids))
         last_user_at = prompt.last_user_at
         if last_user_at is not None:
             last_user_at += sum(
