@@ -348,3 +348,29 @@ def test_preempted_and_speculated_rows_keep_their_pictures(
         got = [run(engine, [r])[0] for r in reqs]
         assert_at_rest(engine)
     assert [g[0] for g in got] == want
+
+
+def test_quantized_kv_blocks(tmp_path: Path) -> None:
+    """``--kv-bits 8`` over image prompts (mlx-vlm's attention code handed packed K/V
+    blocks): batched answers equal a roomy engine's at the same settings, one request
+    at a time."""
+    folder = tiny_vision_folder(
+        "qwen2_5_vl",
+        tmp_path / "q32",
+        text={
+            "num_attention_heads": 2,
+            "num_key_value_heads": 1,
+            "rope_scaling": {"type": "mrope", "mrope_section": [4, 6, 6]},
+        },
+    )
+    lm = load(str(folder))
+    reqs = [ask("What is this?", [picture("qwen2_5_vl", 20 + i)], max_tokens=12) for i in range(3)]
+    kv = {"kv_bits": 8, "kv_group_size": 32}
+    with Engine(lm, num_blocks=256, block_size=4, **kv) as roomy:
+        alone = [run(roomy, [r])[0][0] for r in reqs]
+        assert_at_rest(roomy)
+    with Engine(lm, num_blocks=64, block_size=4, step_token_budget=16, **kv) as engine:
+        got = [g[0] for g in run(engine, reqs)]
+        assert_at_rest(engine)
+    assert got == alone
+    assert all(ids for ids in got)

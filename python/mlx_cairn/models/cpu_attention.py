@@ -153,10 +153,10 @@ def _cpu_case(q: mx.array, k: mx.array, v: mx.array, cache: Any, sinks: Any) -> 
     return (
         _active
         and sinks is None
+        and not hasattr(cache, "bits")  # quantized K/V come as (packed, scales, biases)
         and q.dtype == mx.float32
         and k.dtype == mx.float32
         and q.shape[-1] == k.shape[-1] == v.shape[-1]
-        and not hasattr(cache, "bits")
         and mx.default_device().type == mx.DeviceType.cpu
     )
 

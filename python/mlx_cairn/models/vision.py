@@ -391,6 +391,46 @@ class VisionZooModel(ZooModel):
 # --------------------------------------------------------------------- loading
 
 
+def _route_quantized_kv(lm: nn.Module) -> int:
+    """Send attention over quantized KV blocks (``--kv-bits``: the cache has ``bits``)
+    in ``lm``'s mlx-vlm modules to mlx-lm's quantized attention, which reads the
+    (packed, scales, biases) triples the paged pools give; mlx-vlm's own function
+    knows its own quantized caches only. Returns the number of modules patched."""
+    import sys
+
+    from mlx_lm.models.base import scaled_dot_product_attention as quantized_aware
+
+    from mlx_cairn.models.cpu_kernels import model_modules
+
+    patched = 0
+    for name in sorted(model_modules(lm)):
+        mod = sys.modules.get(name)
+        fn = getattr(mod, "scaled_dot_product_attention", None)
+        if not name.startswith("mlx_vlm.models.") or fn is None or hasattr(fn, "_cairn_kv"):
+            continue
+
+        def routed(
+            queries: mx.array,
+            keys: Any,
+            values: Any,
+            cache: Any,
+            scale: float,
+            mask: Any,
+            sinks: Any = None,
+            _own: Any = fn,
+        ) -> mx.array:
+            if hasattr(cache, "bits") and isinstance(keys, tuple):
+                return quantized_aware(  # type: ignore[no-any-return]
+                    queries, keys, values, cache=cache, scale=scale, mask=mask, sinks=sinks
+                )
+            return _own(queries, keys, values, cache, scale, mask, sinks)  # type: ignore[no-any-return]
+
+        routed._cairn_kv = fn  # type: ignore[attr-defined]
+        mod.scaled_dot_product_attention = routed  # type: ignore[union-attr]
+        patched += 1
+    return patched
+
+
 def _materialize_everything(root: Any) -> None:
     """Evaluate every array reachable from ``root``, parameters or not (Pixtral's
     rotary tables live on a plain object): MLX cannot evaluate, on the engine
@@ -448,6 +488,7 @@ def load_vision_model(
         dequantize_model(vlm, compute)
     cast_floats(vlm, compute)
     mx.eval(vlm.parameters())
+    _route_quantized_kv(vlm.language_model)
     if compute == mx.float32 and mx.default_device() == mx.cpu:
         from mlx_cairn.models import cpu_attention
         from mlx_cairn.models.cpu_layout import apply_cpu_layout_generic
