@@ -35,6 +35,7 @@ SIZES = {
     "gemma3": (28, 28),
     "qwen2_5_vl": (56, 56),
     "qwen3_vl": (64, 64),
+    "qwen3_5": (64, 64),
     "idefics3": (28, 28),
     "smolvlm": (28, 28),
     "mistral3": (28, 28),

@@ -27,7 +27,7 @@ from tokenizers import AddedToken
 from mlx_cairn.models.testing import TINY_VOCAB, random_weights, tiny_tokenizer
 
 #: Architectures :func:`tiny_vision_folder` builds.
-VISION_ARCHES = ("gemma3", "qwen2_5_vl", "qwen3_vl", "idefics3", "smolvlm", "mistral3")
+VISION_ARCHES = ("gemma3", "qwen2_5_vl", "qwen3_vl", "qwen3_5", "idefics3", "smolvlm", "mistral3")
 
 _GEMMA3_TEMPLATE = (
     "{{ bos_token }}"
@@ -221,6 +221,36 @@ def _qwen3_vl(folder: Path) -> tuple[dict[str, Any], dict[str, Any]]:
         image_std=[0.5, 0.5, 0.5],
     )
     files["preprocessor_config.json"] = pre
+    return config, files
+
+
+def _qwen3_5(folder: Path) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Qwen3.5: a hybrid (Gated DeltaNet and attention layers) with Qwen3-VL's tower."""
+    from mlx_cairn.models.tiny_configs import tiny_config
+
+    config, files = _qwen3_vl(folder)
+    hybrid = tiny_config("qwen3_5")["text_config"]
+    text = {
+        **hybrid,
+        "model_type": "qwen3_5",
+        "max_position_embeddings": 2048,
+        "rms_norm_eps": 1e-6,
+        "head_dim": 16,
+        "tie_word_embeddings": False,
+        "eos_token_id": config["text_config"].get("eos_token_id"),
+        "rope_parameters": {
+            "type": "default",
+            "mrope_section": [1, 1, 0],
+            "rope_theta": 1e6,
+            "partial_rotary_factor": 0.25,
+            "mrope_interleaved": True,
+        },
+    }
+    config.update(model_type="qwen3_5", architectures=["Qwen3_5ForConditionalGeneration"])
+    config["text_config"] = text
+    config["vision_config"] = {**config["vision_config"], "model_type": "qwen3_5"}
+    config["vision_config"]["deepstack_visual_indexes"] = []
+    files["preprocessor_config.json"]["processor_class"] = "Qwen3VLProcessor"
     return config, files
 
 
@@ -422,6 +452,7 @@ def tiny_vision_folder(
         "gemma3": _gemma3,
         "qwen2_5_vl": _qwen2_5_vl,
         "qwen3_vl": _qwen3_vl,
+        "qwen3_5": _qwen3_5,
         "idefics3": _idefics3,
         "smolvlm": lambda f: _idefics3(f, "smolvlm"),
         "mistral3": _mistral3,

@@ -303,6 +303,11 @@ class VisionZooModel(ZooModel):
         #: whose output is then the logits.
         self._body = self._backbone if self._backbone is not None else lm
         self._embed = self._body.embed_tokens
+        #: Recurrent layers (Qwen3.5) whose code calls mlx-vlm's ArraysCache API.
+        self._vlm_state = any(
+            type(c).__module__ == "mlx_vlm.models.cache" and type(c).__name__ == "ArraysCache"
+            for c in (lm.make_cache() if hasattr(lm, "make_cache") else ())
+        )
         if self.mrope:
             tied = getattr(getattr(lm, "args", None), "tie_word_embeddings", False)
             self._head = self._embed.as_linear if tied or not hasattr(lm, "lm_head") else lm.lm_head
@@ -328,10 +333,14 @@ class VisionZooModel(ZooModel):
 
     def __call__(self, tokens: mx.array, cache: Any, feeds: Any = None) -> mx.array:
         caches = cache.layer_caches(self)
+        if self._vlm_state:
+            caches = [_vlm_state_view(c) for c in caches]
+        if self.model_type in _LOGICAL_KV_TYPES:
+            caches = [_LogicalKV(c) if hasattr(c, "_owner") else c for c in caches]
         has_media = feeds is not None and any(f[0] is not None for f in feeds)
         kwargs: dict[str, Any] = {}
         if self.mrope:
-            kwargs["position_ids"] = self._positions(tokens.shape, cache, feeds)
+            kwargs["position_ids"] = self._positions(tokens.shape, cache, caches, feeds)
         if not has_media:
             return self._run(tokens, None, caches, kwargs)
         emb = self._embed(tokens)
@@ -366,13 +375,16 @@ class VisionZooModel(ZooModel):
         out = self._body(tokens, inputs_embeds=emb, cache=caches, **kw)
         return getattr(out, "logits", out)  # type: ignore[no-any-return]
 
-    def _positions(self, shape: tuple[int, ...], cache: Any, feeds: Any) -> mx.array:
+    def _positions(
+        self, shape: tuple[int, ...], cache: Any, caches: list[Any], feeds: Any
+    ) -> mx.array:
         """[3, B, L] multimodal RoPE positions of a call's rows."""
         b, n = shape[0], shape[1]
         if hasattr(cache, "_np_offs"):  # the engine's paged view: per-row offsets
             offs = np.asarray(cache._np_offs, dtype=np.int64).reshape(-1)
         else:  # one contiguous sequence (the reference loop)
-            offs = np.full(b, int(cache.offset), dtype=np.int64)
+            at = next(int(c.offset) for c in caches if hasattr(c, "offset"))
+            offs = np.full(b, at, dtype=np.int64)
         pos = np.broadcast_to(offs[:, None] + np.arange(n)[None, :], (3, b, n)).copy()
         if feeds is not None:
             for row, (media, start, _) in enumerate(feeds):
@@ -389,6 +401,55 @@ class VisionZooModel(ZooModel):
 
 
 # --------------------------------------------------------------------- loading
+
+
+#: Architectures whose attention cuts the mask to the keys' logical length
+#: (``offset + L + 1``) before it attends: their keys are cut to match.
+_LOGICAL_KV_TYPES = frozenset({"qwen3_5", "qwen3_5_moe"})
+
+
+class _LogicalKV:
+    """A layer's paged cache whose gathered K/V end where the mask a Qwen3.5 layer cuts
+    ends (the gather pads them to whole blocks; the padding is masked either way)."""
+
+    def __init__(self, inner: Any) -> None:
+        self._inner = inner
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[Any, Any]:
+        k, v = self._inner.update_and_fetch(keys, values)
+        if not isinstance(k, mx.array):
+            return k, v
+        owner = self._inner._owner
+        t = min(k.shape[-2], int(owner._np_offs.max()) + keys.shape[-2] + 1)
+        return k[..., :t, :], v[..., :t, :]
+
+
+class _Forwarding(list):  # type: ignore[type-arg]
+    """A row batch's state arrays whose stores also go to the paged cache's slots."""
+
+    def __init__(self, items: list[Any], owner: Any, layer: int) -> None:
+        super().__init__(items)
+        self._owner, self._layer = owner, layer
+
+    def __setitem__(self, idx: Any, value: Any) -> None:
+        super().__setitem__(idx, value)
+        self._owner.write_state(self._layer, idx, value)
+
+
+def _vlm_state_view(c: Any) -> Any:
+    """The engine's state cache of one layer (mlx-lm's ArraysCache, over the state
+    slots) as mlx-vlm's ArraysCache, whose update methods its recurrent layers call."""
+    owner = getattr(c, "owner", None)
+    if owner is None:
+        return c
+    from mlx_vlm.models.cache import ArraysCache
+
+    view = ArraysCache(len(c.cache))
+    view.cache = _Forwarding(list(c.cache), owner, c.layer)
+    return view
 
 
 def _route_quantized_kv(lm: nn.Module) -> int:

@@ -303,6 +303,27 @@ def _state_probe(size: int) -> Any:
     return StateProbe()
 
 
+class _Recording(list):  # type: ignore[type-arg]
+    """A cache's list of state arrays that also records what is stored in it."""
+
+    def __init__(self, size: int, sink: dict[int, mx.array]) -> None:
+        super().__init__([None] * size)
+        self._sink = sink
+
+    def __setitem__(self, idx: Any, value: Any) -> None:
+        super().__setitem__(idx, value)
+        self._sink[idx] = value
+
+
+def _vlm_state_probe(c: Any) -> Any:
+    """A probe for mlx-vlm's ``ArraysCache`` (its layers store into ``cache.cache[i]``
+    directly, through ``update_window`` / ``update_recurrent``)."""
+    probe = type(c)(len(c.cache))
+    probe.stored = {}
+    probe.cache = _Recording(len(c.cache), probe.stored)
+    return probe
+
+
 def _probe_for(c: Any) -> Any:
     """A probe standing in for mlx-lm cache ``c`` (a CacheList gets a list of probes)."""
     from mlx_lm.models.cache import ArraysCache, CacheList
@@ -311,6 +332,8 @@ def _probe_for(c: Any) -> Any:
         return CacheList(*(_probe_for(x) for x in c.caches))
     if isinstance(c, ArraysCache):
         return _state_probe(len(c.cache))
+    if type(c).__module__ == "mlx_vlm.models.cache" and type(c).__name__ == "ArraysCache":
+        return _vlm_state_probe(c)
     return _Probe()
 
 
@@ -325,7 +348,7 @@ def _kinds(c: Any, model_type: object) -> tuple[str, int | None]:
         return "kv", None
     if (type(c) is RotatingKVCache or (vlm and name == "RotatingKVCache")) and c.keep == 0:
         return "kv", int(c.max_size)
-    if type(c) is ArraysCache:
+    if type(c) is ArraysCache or (vlm and name == "ArraysCache"):
         return "state", None
     if isinstance(c, CacheList) and len(c.caches) == 2:
         a, b = (_kinds(x, model_type) for x in c.caches)
