@@ -38,7 +38,10 @@ from mlx_cairn.models.testing_vision import tiny_vision_folder
 from mlx_cairn.types import IMAGE_MARK, ChatRequest, Done, Image, Message, SamplingParams
 
 SIDE = 448
-SYSTEM = "You are a careful assistant that describes screenshots for a coding agent. " * 4
+SENTENCE = "You are a careful assistant that describes screenshots for a coding agent. "
+#: Sentences of system prompt (``--system``; an agent's system prompt and tools are
+#: thousands of tokens, re-sent every turn).
+SYSTEM = {"short": 4, "agent": 30}
 
 
 def build(folder: Path) -> Path:
@@ -51,6 +54,7 @@ def build(folder: Path) -> Path:
             "num_hidden_layers": 6,
             "num_attention_heads": 8,
             "num_key_value_heads": 2,
+            "max_position_embeddings": 8192,
             "rope_scaling": {"type": "mrope", "mrope_section": [8, 12, 12]},
         },
         vision={
@@ -89,11 +93,11 @@ NAMES = [
 ]
 
 
-def turn1(i: int, img: Image, max_tokens: int) -> ChatRequest:
+def turn1(i: int, img: Image, max_tokens: int, system: int = 4) -> ChatRequest:
     name = NAMES[i % len(NAMES)] + " " + NAMES[i // len(NAMES) % len(NAMES)]
     return ChatRequest(
         messages=[
-            Message("system", f"Session {name}. {SYSTEM}"),
+            Message("system", f"Session {name}. {SENTENCE * system}"),
             Message("user", f"{IMAGE_MARK}What does this screenshot show?", images=[img]),
         ],
         max_tokens=max_tokens,
@@ -179,6 +183,7 @@ def main() -> None:
         "--answer-tokens", type=int, default=16, help="turn 1's answer (history of turn 2)"
     )
     ap.add_argument("--concurrent", type=int, default=4)
+    ap.add_argument("--system", choices=list(SYSTEM), default="short", help="system prompt length")
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         folder = build(Path(tmp) / "qwen2_5_vl-bench")
@@ -199,7 +204,7 @@ def main() -> None:
         theirs(lm, vlm, turn1(51, picture(998), 4))
         cold, warm, peer, hits = [], [], [], []
         for i in range(args.trials):
-            first = turn1(i, picture(i), args.answer_tokens)
+            first = turn1(i, picture(i), args.answer_tokens, SYSTEM[args.system])
             with fresh() as engine:
                 [_], [ids1], _ = ours(engine, [first])
             second = turn2(first, lm.tokenizer.decode(ids1), args.max_tokens)
