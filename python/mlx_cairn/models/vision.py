@@ -2,7 +2,7 @@
 
 A folder whose ``config.json`` has a ``vision_config`` and whose ``model_type``
 mlx-vlm implements loads with mlx-vlm's own model class and processor
-(:func:`load_vision_folder`). The language model inside it runs over the
+(:func:`load_vision_model`, called by ``models.load`` for such folders). The language model inside it runs over the
 engine's paged KV pools like any text model (:class:`VisionZooModel`, a
 :class:`~mlx_cairn.models.zoo.ZooModel` over ``model.language_model``);
 pictures enter as embeddings::
@@ -14,9 +14,12 @@ pictures enter as embeddings::
     forward:  embed_tokens(ids), the span's rows replaced by its features, through the
               language model's layers (prefill chunks take the slice they cover)
 
-Positions: models with multimodal RoPE (Qwen2-VL, Qwen2.5-VL, Qwen3-VL) get
-per-row position ids: the prompt's from the model's ``get_rope_index``, the
-positions after it shifted by the prompt's rope delta.
+Positions: models with multimodal RoPE (Qwen2-VL, Qwen2.5-VL, Qwen3-VL,
+Qwen3.5) get per-row position ids: the prompt's from the model's
+``get_rope_index``, the positions after it shifted by the prompt's rope delta.
+Qwen3-VL's deepstack features are added after its early layers at the visual
+positions of each row's chunk. Qwen3.5's recurrent layers keep their state in
+the engine's state slots, seen through mlx-vlm's ``ArraysCache`` API.
 
 Prefix cache: :attr:`Media.hash_ids` is the prompt with every token of an
 image span replaced by an id derived from the picture's digest (above any
@@ -47,7 +50,8 @@ FEATURE_CACHE_BYTES = 512 << 20
 PROCESSOR_CACHE_IMAGES = 64
 #: ... and at most this many bytes of pixel values.
 PROCESSOR_CACHE_BYTES = 256 << 20
-#: Hash ids of image positions: this bit set, the digest's low bits below it.
+#: Hash ids of image positions: this bit set (above any vocabulary, below 2**31),
+#: 28-bit slices of the digest below it.
 _HASH_ID_BIT = 1 << 30
 
 
@@ -129,7 +133,7 @@ class Vision:
     Example::
 
         prompt = vision.expand(prompt, request)   # image placeholders -> the model's tokens
-        feats = vision.features(span)            # [len(span.ids), hidden], cached by digest
+        feats = vision.features(span).embeds     # [len(span.ids), hidden], cached by digest
     """
 
     def __init__(self, vlm: nn.Module, processor: Any, model_type: str) -> None:
