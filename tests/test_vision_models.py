@@ -57,8 +57,9 @@ def mlx_vlm_model(model: tuple[str, Any, Path]) -> tuple[Any, Any]:
     return vlm_load(str(model[2]))
 
 
-def picture(arch: str, seed: int) -> Image:
+def picture(arch: str, seed: int, wide: int = 1) -> Image:
     w, h = SIZES[arch]
+    w *= wide
     rng = np.random.default_rng(seed)
     return Image.from_pil(PILImage.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8)))
 
@@ -168,6 +169,7 @@ def test_greedy_equals_mlx_vlm_batched(
         ask("What is this?", [a], logprobs=True),
         ask("Hello there", []),
         ask("Compare them.", [a, b], logprobs=True),
+        ask("And this wide one?", [b, picture(arch, 3, wide=2)], logprobs=True),
         ask("Describe it", [b], logprobs=True),
     ]
     with Engine(lm, num_blocks=96, block_size=4, step_token_budget=8) as engine:
