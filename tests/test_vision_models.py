@@ -317,6 +317,9 @@ def test_a_cached_hub_vision_model_loads_by_name(
     hub.write_cache_entry(hub.cache_dir(), f"org/tiny-{arch}", folder)
     reg = ModelRegistry([f"org/tiny-{arch}"])
     try:
+        # Listed as a vision model before it is loaded (from the cached config).
+        listed = reg.listing()  # its names, before any load
+        assert listed and all(i.vision and not i.loaded for i in listed)
         lease = reg.lease(f"org/tiny-{arch}")
         try:
             assert lease.loaded.takes_images

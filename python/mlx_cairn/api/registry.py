@@ -891,12 +891,19 @@ def _info(name: str, sm: ServedModel) -> ModelInfo:
 
 def _takes_images(sm: ServedModel) -> bool:
     """Whether ``sm`` reads pictures: the loaded model says; before a load, a local
-    folder whose config.json has a ``vision_config`` (models/vision.py loads those)."""
+    folder (or the local HF cache's copy of a hub name) whose config.json has a
+    ``vision_config`` (models/vision.py loads those)."""
     if sm.loaded is not None:
         return bool(getattr(sm.loaded, "takes_images", False))
     if not sm.source:
         return False
-    config = Path(sm.source).expanduser() / "config.json"
+    folder = Path(sm.source).expanduser()
+    if is_hub_name(sm.source):  # the local HF cache's copy, if there is one (no download)
+        try:
+            folder = resolve(sm.source, allow_download=False)
+        except (ModelNotFound, OSError, ValueError):
+            return False
+    config = folder / "config.json"
     try:
         if not config.is_file():
             return False
