@@ -238,69 +238,122 @@ def _turn_cell(t: int) -> Any:
     return lambda m: f"{fmt(m['ttft_ms_by_turn'][t][0])} / {fmt(m['ttft_ms_by_turn'][t][1])}"
 
 
-def markdown(sums: dict[str, dict[str, Any]], n_turns: int) -> str:
-    o, p = sums["cairn"], sums["mlx_lm.server"]
+def _turn_ratio(p: dict[str, Any], t: int) -> Any:
+    return lambda o: o["ttft_ms_by_turn"][t][0] / p["ttft_ms_by_turn"][t][0]
+
+
+def markdown(sums: dict[str, dict[str, Any]], n_turns: int, peer: str = "mlx_lm.server") -> str:
+    """One column per side, then each of our sides against the peer."""
+    p = sums[peer]
+    ours = [s for s in sums if s != peer]
     rows = [
         ("total time of a round, s (runs)",
          lambda m: f"**{m['total_s']:.1f}** ({', '.join(str(x) for x in m['total_s_runs'])})",
-         p["total_s"] / o["total_s"], "x faster"),
+         lambda o: p["total_s"] / o["total_s"], "x faster"),
         *[
             (f"TTFT p50 / p95, turn {t}, ms",
              _turn_cell(t),
-             o["ttft_ms_by_turn"][t][0] / p["ttft_ms_by_turn"][t][0], "x (p50)")
+             _turn_ratio(p, t),
+             "x (p50)")
             for t in range(1, n_turns + 1)
         ],
         ("TTFT p50 / p95, turns 2+, ms",
          lambda m: f"{fmt(m['ttft_ms_turn2plus'][0])} / {fmt(m['ttft_ms_turn2plus'][1])}",
-         o["ttft_ms_turn2plus"][0] / p["ttft_ms_turn2plus"][0], "x (p50)"),
+         lambda o: o["ttft_ms_turn2plus"][0] / p["ttft_ms_turn2plus"][0], "x (p50)"),
         ("output tokens/s (all answers over the total time)",
          lambda m: f"{m['output_tok_s']:.2f} ({m['output_tokens']:.0f} tokens)",
-         o["output_tok_s"] / p["output_tok_s"], "x"),
+         lambda o: o["output_tok_s"] / p["output_tok_s"], "x"),
         ("decode tokens/s per stream, p50",
          lambda m: f"{m['decode_tok_s_p50']:.2f}",
-         o["decode_tok_s_p50"] / p["decode_tok_s_p50"], "x"),
+         lambda o: o["decode_tok_s_p50"] / p["decode_tok_s_p50"], "x"),
         ("prompt tokens computed / cached (per round)",
          lambda m: f"{m['computed_tokens']:,.0f} / {m['cached_tokens']:,.0f}",
-         o["computed_tokens"] / p["computed_tokens"], "x computed"),
+         lambda o: o["computed_tokens"] / p["computed_tokens"], "x computed"),
     ]  # fmt: skip
-    lines = ["| measure | cairn | mlx_lm.server | ours / peer |", "|---|---:|---:|---:|"]
+    head = "| measure | " + " | ".join([*ours, peer]) + " | "
+    head += " | ".join(f"{s} / peer" for s in ours) + " |"
+    lines = [head, "|---|" + "---:|" * (2 * len(ours) + 1)]
     for name, f, ratio, unit in rows:
-        lines.append(f"| {name} | {f(o)} | {f(p)} | {ratio:.2f}{unit} |")
-    if "engine" in o:
-        e = o["engine"]
-        lines += ["", "Our engine's counters per round (`/health`): " + ", ".join(
-            f"{k} {v:,.0f}" for k, v in e.items())]  # fmt: skip
+        cells = [f(sums[s]) for s in [*ours, peer]] + [f"{ratio(sums[s]):.2f}{unit}" for s in ours]
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    for s in ours:
+        if "engine" in sums[s]:
+            e = sums[s]["engine"]
+            lines += ["", f"Engine counters per round, {s} (`/health`): " + ", ".join(
+                f"{k} {v:,.0f}" for k, v in e.items())]  # fmt: skip
     return "\n".join(lines)
+
+
+HYBRID_DIR = Path(tempfile.gettempdir()) / "cairn-hybrid-hf"
+
+
+def hybrid_folder(folder: Path) -> Path:
+    """A random-weight Qwen3.5-style hybrid about SmolLM2's size (24 layers of width 576,
+    Gated DeltaNet with full attention every 4th layer), as an mlx-lm folder."""
+    if (folder / "config.json").exists():
+        return folder
+    from mlx_cairn.models.export import save_folder
+    from mlx_cairn.models.testing import tiny_zoo_model
+    from mlx_cairn.models.tiny_configs import tiny_config
+
+    text = {
+        **tiny_config("qwen3_5")["text_config"],
+        "hidden_size": 576, "num_hidden_layers": 24, "intermediate_size": 1536,
+        "num_attention_heads": 8, "num_key_value_heads": 2, "head_dim": 64,
+        "linear_num_value_heads": 8, "linear_num_key_heads": 4, "linear_key_head_dim": 64,
+        "linear_value_head_dim": 64, "full_attention_interval": 4,
+        "max_position_embeddings": 32768,
+    }  # fmt: skip
+    save_folder(tiny_zoo_model("qwen3_5", text_config=text, num_hidden_layers=24), folder)
+    return folder
+
+
+def served_name(port: int) -> str:
+    return str(httpx.get(f"http://127.0.0.1:{port}/v1/models", timeout=30).json()["data"][0]["id"])
 
 
 async def amain(args: argparse.Namespace) -> int:
     from mlx_cairn.models import load
 
-    lm = load()
-    prompts = Prompts(lm.tokenizer, args.fixtures, args.prefix_tokens)
-    folder = args.export_dir
-    if not (folder / "config.json").exists():
-        from mlx_cairn.models.export import save_folder
+    if args.hybrid:
+        folder = hybrid_folder(args.export_dir or HYBRID_DIR)
+        lm = load(str(folder))
+        model_args = ["--model", str(folder), "--preload"]
+    else:
+        lm = load()
+        folder = args.export_dir or Path(tempfile.gettempdir()) / "cairn-smollm2-hf"
+        if not (folder / "config.json").exists():
+            from mlx_cairn.models.export import save_folder
 
-        save_folder(lm, folder)
+            save_folder(lm, folder)
+        model_args = []
+    prompts = Prompts(lm.tokenizer, args.fixtures, args.prefix_tokens)
     del lm
     logs = Path(tempfile.mkdtemp(prefix="cairn-bench-agentic-"))
-    p_ours, p_lm = free_port(), free_port()
-    ours = start_ours(p_ours, logs / "cairn.log")
-    peer = start_mlx_lm(p_lm, folder, args.answer_tokens, logs / "mlx_lm.log")
+    ours_sides = [("cairn", [])] + [
+        (name, extra.split()) for name, _, extra in (x.partition(":") for x in args.cairn_side)
+    ]
+    procs: list[subprocess.Popen[bytes]] = []
+    sides: dict[str, tuple[int, str]] = {}
     warm = [{"role": "user", "content": "Say hello."}]
-    sides = {"cairn": (p_ours, "default"), "mlx_lm.server": (p_lm, str(folder))}
-    raw: dict[str, list[dict[str, Any]]] = {s: [] for s in sides}
     loads = [os.getloadavg()[0]]
     try:
-        await wait_up(p_ours, ours, CHAT, chat_body("default", warm, 4))
-        await wait_up(p_lm, peer, CHAT, chat_body(str(folder), warm, 4))
+        for name, extra in ours_sides:
+            port = free_port()
+            procs.append(start_ours(port, logs / f"{name}.log", [*model_args, *extra]))
+            await wait_up(port, procs[-1], CHAT, chat_body("default", warm, 4))
+            sides[name] = (port, served_name(port))
+        p_lm = free_port()
+        procs.append(start_mlx_lm(p_lm, folder, args.answer_tokens, logs / "mlx_lm.log"))
+        await wait_up(p_lm, procs[-1], CHAT, chat_body(str(folder), warm, 4))
+        sides["mlx_lm.server"] = (p_lm, str(folder))
+        raw: dict[str, list[dict[str, Any]]] = {s: [] for s in sides}
         print(f"logs in {logs}; load average {os.getloadavg()}", flush=True)
         names = list(sides)
         for rnd in range(args.rounds):
             for side in names if rnd % 2 == 0 else names[::-1]:
                 port, model = sides[side]
-                r = await run_round(port, model, prompts, args, rnd, side == "cairn")
+                r = await run_round(port, model, prompts, args, rnd, side != "mlx_lm.server")
                 raw[side].append(r)
                 loads.append(os.getloadavg()[0])
                 t1 = [x["ttft_s"] for x in r["turns"] if x["turn"] == 0]
@@ -324,9 +377,9 @@ async def amain(args: argparse.Namespace) -> int:
             args.json.write_text(json.dumps({"args": vars(args), "summary": sums, "raw": raw,
                                              "load": loads}, default=str))  # fmt: skip
     finally:
-        for p in (ours, peer):
+        for p in procs:
             p.terminate()
-        for p in (ours, peer):
+        for p in procs:
             try:
                 p.wait(timeout=60)
             except subprocess.TimeoutExpired:
@@ -344,8 +397,18 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--rounds", type=int, default=2, help="per side, alternating the order")
     ap.add_argument("--fixtures", type=Path, default=FIXTURES.resolve())
     ap.add_argument("--json", type=Path, default=None)
+    ap.add_argument("--export-dir", type=Path, default=None, help="the folder both serve")
     ap.add_argument(
-        "--export-dir", type=Path, default=Path(tempfile.gettempdir()) / "cairn-smollm2-hf"
+        "--hybrid",
+        action="store_true",
+        help="a random Qwen3.5-style hybrid of SmolLM2's size instead of SmolLM2",
+    )
+    ap.add_argument(
+        "--cairn-side",
+        action="append",
+        default=[],
+        metavar="NAME:ARGS",
+        help="another cairn server with these serve flags, e.g. 'kv8:--kv-bits 8'",
     )
     return asyncio.run(amain(ap.parse_args(argv)))
 

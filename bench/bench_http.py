@@ -41,6 +41,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -92,9 +93,10 @@ def anthropic_body(i: int, rnd: int, tokens: int, side: int) -> dict[str, Any]:
 # ----------------------------------------------------------------- servers
 
 
-def start_ours(port: int, log: Path) -> subprocess.Popen[bytes]:
+def start_ours(port: int, log: Path, extra: Sequence[str] = ()) -> subprocess.Popen[bytes]:
+    """``cairn serve`` on ``port`` (the embedded default model unless ``extra`` names one)."""
     cmd = [sys.executable, "-m", "mlx_cairn.cli", "serve", "--host", "127.0.0.1",
-           "--port", str(port), "--log-level", "warning", "--max-queue", "256"]  # fmt: skip
+           "--port", str(port), "--log-level", "warning", "--max-queue", "256", *extra]  # fmt: skip
     env = {k: v for k, v in os.environ.items() if k != "CAIRN_API_KEY"}
     return subprocess.Popen(cmd, env=env, stdout=log.open("wb"), stderr=subprocess.STDOUT)
 
