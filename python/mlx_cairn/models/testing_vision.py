@@ -90,6 +90,20 @@ def _tokenizer(specials: list[str]) -> Any:
     return hf
 
 
+def _vit(model_type: str) -> dict[str, Any]:
+    """A one-layer ViT of width 32 over 28x28 pictures in 7x7 patches (SigLIP / Idefics3)."""
+    return {
+        "model_type": model_type,
+        "hidden_size": 32,
+        "intermediate_size": 64,
+        "num_hidden_layers": 1,
+        "num_attention_heads": 2,
+        "patch_size": 7,
+        "image_size": 28,
+        "layer_norm_eps": 1e-6,
+    }
+
+
 def _text(hidden: int = 64, **kw: Any) -> dict[str, Any]:
     base = {
         "hidden_size": hidden,
@@ -132,16 +146,7 @@ def _gemma3(folder: Path) -> tuple[dict[str, Any], dict[str, Any]]:
             sliding_window_pattern=3,
             mm_tokens_per_image=4,
         ),
-        "vision_config": {
-            "model_type": "siglip_vision_model",
-            "hidden_size": 32,
-            "intermediate_size": 64,
-            "num_hidden_layers": 1,
-            "num_attention_heads": 2,
-            "patch_size": 7,
-            "image_size": 28,
-            "layer_norm_eps": 1e-6,
-        },
+        "vision_config": _vit("siglip_vision_model"),
     }
     tok_config = {
         "tokenizer_class": "PreTrainedTokenizerFast",
@@ -325,16 +330,7 @@ def _idefics3(folder: Path, model_type: str = "idefics3") -> tuple[dict[str, Any
         "vocab_size": TINY_VOCAB,
         "eos_token_id": [hf.token_to_id("<end_of_utterance>")],
         "text_config": text,
-        "vision_config": {
-            "model_type": "idefics3_vision",
-            "hidden_size": 32,
-            "intermediate_size": 64,
-            "num_hidden_layers": 1,
-            "num_attention_heads": 2,
-            "patch_size": 7,
-            "image_size": 28,
-            "layer_norm_eps": 1e-6,
-        },
+        "vision_config": _vit("idefics3_vision"),
     }
     tok_config = {
         "tokenizer_class": "PreTrainedTokenizerFast",
