@@ -89,3 +89,19 @@ def test_pool_shape_and_validation():
         KVPools(num_layers=1, num_kv_heads=1, head_dim=8, num_blocks=1, block_size=4)
     with pytest.raises(ValueError):
         KVPools(num_layers=1, num_kv_heads=1, head_dim=8, num_blocks=4, block_size=0)
+
+
+def test_long_prefill_chunks_get_calls_of_their_own() -> None:
+    """Chunks of SOLO_PREFILL_TOKENS or more are never padded into a shared call;
+    shorter ones still share calls (one read of the weights)."""
+    from types import SimpleNamespace
+
+    from mlx_cairn.engine.runner import SOLO_PREFILL_TOKENS, _prefill_groups
+
+    n = SOLO_PREFILL_TOKENS
+    chunks = [SimpleNamespace(n=k) for k in (n + 188, n + 66, n, 20, 18, 3 * n)]
+    groups = [[c.n for c in g] for g in _prefill_groups(chunks)]  # type: ignore[arg-type]
+    assert groups == [[3 * n], [n + 188], [n + 66], [n], [20, 18]]
+    same = [SimpleNamespace(n=k) for k in (2 * n, 2 * n, 16, 16)]
+    groups = [[c.n for c in g] for g in _prefill_groups(same, ragged=False)]  # type: ignore[arg-type]
+    assert groups == [[2 * n], [2 * n], [16, 16]]

@@ -96,6 +96,8 @@ def test_answers_equal_decoding_without_speculation(server: str, folder: Path) -
         assert "".join(b.text for b in final.content if b.type == "text") == text
         m_extra = msg.usage.model_extra or {}
         assert m_extra.get("draft_tokens", 0) >= m_extra.get("accepted_draft_tokens", 0)
+    oa.close()
+    an.close()
     assert drafted > 0 and 0 < accepted <= drafted
 
     metrics = httpx.get(server + "/metrics", timeout=30).text
@@ -124,6 +126,7 @@ def test_a_draft_model_serves_the_same_text(folder: Path, tmp_path: Path) -> Non
             details = out.usage.completion_tokens_details
             assert details is not None and details.accepted_prediction_tokens
             assert details.rejected_prediction_tokens == 0
+        oa.close()
 
 
 def test_opt_out_and_a_bad_value(server: str) -> None:
@@ -154,3 +157,5 @@ def test_opt_out_and_a_bad_value(server: str) -> None:
             extra_body={"speculative": 1},
         )
     assert "speculative" in str(ae.value)
+    oa.close()
+    an.close()

@@ -79,6 +79,8 @@ def test_serves_through_both_sdks(server: str, model_dir: Path, model_type: str)
         messages=[{"role": "user", "content": PROMPT}],
     ) as stream:
         final = stream.get_final_message()
+    oa.close()
+    an.close()
     # (The Anthropic dialect renders its own prompt, so only its two forms are compared.)
     assert "".join(b.text for b in final.content if b.type == "text") == text
     assert msg.usage.output_tokens > 0
