@@ -363,16 +363,13 @@ def _prefill_groups(chunks: list[RowPlan], *, ragged: bool = True) -> list[list[
     groups: list[list[RowPlan]] = []
     for r in sorted(chunks, key=lambda c: -c.n):
         g = groups[-1] if groups else None
-        if g is not None and g[0].n >= SOLO_PREFILL_TOKENS:
-            pass
-        elif g is not None and not ragged:
-            if g[0].n == r.n:
-                g.append(r)
-                continue
-        elif g is not None:
+        if g is not None and g[0].n < SOLO_PREFILL_TOKENS:
             width = g[0].n
-            real = sum(m.n for m in g) + r.n
-            if (len(g) + 1) * width <= 1.25 * real + 16:
+            if ragged:
+                fits = (len(g) + 1) * width <= 1.25 * (sum(m.n for m in g) + r.n) + 16
+            else:
+                fits = width == r.n
+            if fits:
                 g.append(r)
                 continue
         groups.append([r])
