@@ -198,7 +198,11 @@ def claude_code_fit(name: str, context: int) -> str:
 
 
 def build(
-    args: argparse.Namespace, env: dict[str, str], *, problems: list[str] | None = None
+    args: argparse.Namespace,
+    env: dict[str, str],
+    *,
+    problems: list[str] | None = None,
+    group: Any = None,
 ) -> tuple[ModelRegistry, ServerConfig]:
     """Validate the flags and build the (not yet loaded) registry and config.
 
@@ -272,10 +276,18 @@ def build(
             return EmbeddingEngine(loaded, max_queue=args.max_queue)
         if args.context_length is not None:
             override_context(loaded, args.context_length)
+        engine_class: Any = Engine
+        extra: dict[str, Any] = {}
+        if group is not None:  # rank 0 of several (engine/distributed.py)
+            from mlx_cairn.engine.distributed import distributed_engine_class
+
+            engine_class = distributed_engine_class()
+            extra = {"group": group, "timeout": float(args.rank_timeout)}
         try:
             disk = getattr(args, "kv_disk_dir", None)
-            engine = Engine(
+            engine = engine_class(
                 loaded,
+                **extra,
                 kv_cache_gb=args.kv_cache_gb,
                 max_queue=args.max_queue,
                 max_batch=getattr(args, "max_batch", None),
@@ -329,6 +341,7 @@ def build(
             pins=getattr(args, "pin", []),
             idle_unload=getattr(args, "idle_unload", None),
             load_wait=getattr(args, "load_wait", DEFAULT_LOAD_WAIT),
+            loader=None if group is None else _rank_loader(group),
         )
     except ValueError as e:
         raise ServeError(str(e)) from None
@@ -349,6 +362,12 @@ def build(
         ),
     )
     return registry, config
+
+
+def _rank_loader(group: Any) -> Any:
+    from mlx_cairn.engine.distributed import loader
+
+    return loader(group)
 
 
 def _or(value: Any, default: Any) -> Any:
@@ -693,6 +712,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         metavar="SECONDS",
         help="answer 408 and close when a request body makes no progress for this long",
     )
+    p.add_argument(
+        "--rank-timeout",
+        type=positive,
+        default=60.0,
+        metavar="SECONDS",
+        help="across ranks (under mlx.launch): a step or heartbeat that takes longer "
+        "means a rank is lost; requests then fail with 503 and every rank exits",
+    )
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
 
 
@@ -703,14 +730,31 @@ def run(args: argparse.Namespace) -> int:
 
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     problems: list[str] = []
+    group = None
+    if "MLX_RANK" in os.environ or "OMPI_COMM_WORLD_RANK" in os.environ:
+        # One model over several ranks (engine/distributed.py): rank 0 serves HTTP.
+        from mlx_cairn.engine import distributed
+
+        for problem in distributed.startup_problems(args):
+            print(f"cairn serve: {problem}", file=sys.stderr)
+            problems.append(problem)
+        if problems:
+            return 2
+        group = distributed.group_from_env()
+        if group is not None and group.rank() > 0:
+            return distributed.serve_follower(args, group)
     try:
-        registry, config = build(args, dict(os.environ), problems=problems)
+        registry, config = build(args, dict(os.environ), problems=problems, group=group)
         sockets = bind_sockets(args.host, args.port)
     except ServeError as e:
         print(f"cairn serve: {e}", file=sys.stderr)
         return 2
     try:
-        if args.preload:
+        if group is not None:  # every rank loads its shard now
+            registry.preload([registry.models[0].name])
+            if registry.models[0].state != "loaded":
+                problems.append(str(registry.models[0].error or "the model did not load"))
+        elif args.preload:
             registry.load_all()
         elif not args.model and not getattr(args, "models_dir", None):
             registry.preload([registry.models[0].name])  # `make serve` is ready when it says so

@@ -328,7 +328,7 @@ class Engine:
                     h, snap.num_blocks, snap.slot, self._pools
                 )
         _materialize(model)
-        self._runner = ModelRunner(model, self._pools)
+        self._runner = self._make_runner(model, self._pools)
         self._drafter: DraftModel | None = None
         if draft_model is not None and self._spec_k:
             _materialize(draft_model.model)
@@ -378,6 +378,10 @@ class Engine:
         self._thread = threading.Thread(target=self._loop, name="mlx-cairn-engine", daemon=True)
         _live_engines.add(self)
         self._thread.start()
+
+    def _make_runner(self, model: Any, pools: KVPools) -> ModelRunner:
+        """The runner of the forward calls (a distributed engine's sends each step)."""
+        return ModelRunner(model, pools)
 
     # ------------------------------------------------------------ any thread
 
@@ -518,23 +522,17 @@ class Engine:
     def _serve_once(self) -> bool:
         """Wait for work, apply arrivals and cancels, run one step. False once closed."""
         with self._lock:
-            # A step that could plan nothing (and has nothing in flight) changes
-            # nothing by running again: only an arrival, a cancel or close can.
-            while not (
-                self._inbox
-                or self._cancels
-                or self._closing
-                or (
-                    not self._stalled and (self._inflight is not None or self._scheduler.has_work())
-                )
-            ):
-                self._lock.wait()
-            if self._inbox and self._announces and self._idle():
-                self._gather()
-            self._stalled = False
-            inbox, self._inbox = self._inbox, []
-            cancels, self._cancels = self._cancels, set()
-            closing = self._closing
+            busy = self._wait_for_work()
+            if busy:
+                if self._inbox and self._announces and self._idle():
+                    self._gather()
+                self._stalled = False
+                inbox, self._inbox = self._inbox, []
+                cancels, self._cancels = self._cancels, set()
+                closing = self._closing
+        if not busy:
+            self._runner.idle()
+            return True
         up = self._update
         for seq in inbox:
             up.arrive(seq)
@@ -554,6 +552,21 @@ class Engine:
             self._drain_inflight()
             up.fail_all(f"engine error: {e}")
         self._snapshot_stats()
+        return True
+
+    def _wait_for_work(self) -> bool:
+        """Wait (lock held) for an arrival, a cancel, close or a step to run; False when
+        the runner's ``idle_s`` passed without one (None: wait as long as it takes)."""
+        # A step that could plan nothing (and has nothing in flight) changes
+        # nothing by running again: only an arrival, a cancel or close can.
+        while not (
+            self._inbox
+            or self._cancels
+            or self._closing
+            or (not self._stalled and (self._inflight is not None or self._scheduler.has_work()))
+        ):
+            if not self._lock.wait(self._runner.idle_s):
+                return False
         return True
 
     def _idle(self) -> bool:
@@ -604,7 +617,7 @@ class Engine:
             else:
                 if copies := [r.copy for r in plan.rows if r.copy is not None]:
                     # Partial-block prefix reuse: before any forward call of the step.
-                    self._pools.copy_rows(copies)
+                    self._runner.copy_rows(copies)
                     if self._drafter is not None:
                         self._drafter.pools.copy_rows(copies)
                 if self.apply_first:

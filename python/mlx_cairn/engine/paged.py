@@ -405,6 +405,8 @@ class PagedKVCache:
     ) -> None:
         bs = pools.block_size
         self.pools = pools
+        #: The arguments as given (what a distributed runner sends to the other ranks).
+        self.inputs = (block_tables, offsets, lengths, state_slots)
         batch = len(block_tables)
         lens = np.full(batch, lengths) if isinstance(lengths, int) else np.asarray(lengths)
         length = int(lens.max())
@@ -616,6 +618,19 @@ class PagedLayerCache:
     @property
     def offset(self) -> mx.array:
         return self._owner.offsets
+
+    @property
+    def keys(self) -> mx.array:
+        """The layer's K pool. mlx-lm's pipelines tie their send to the last layer's
+        cache (``cache[-1].keys = mx.depends(cache[-1].keys, h)``); the distributed
+        runner evaluates the call's output, which the send is part of, so the
+        assignment is dropped."""
+        k = self._owner.pools.k[self.layer]
+        return k[0] if isinstance(k, tuple) else k
+
+    @keys.setter
+    def keys(self, value: mx.array) -> None:
+        pass
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
         return self._owner.write_and_gather(self.layer, self._geometry, keys, values)

@@ -93,6 +93,17 @@ class ModelRunner:
         #: What :meth:`_queue` was given between :meth:`hold` and :meth:`release`.
         self._held: list[mx.array] | None = None
 
+    #: How long an idle engine thread waits before calling :meth:`idle` (None: until
+    #: woken; a distributed runner sends its heartbeat there).
+    idle_s: float | None = None
+
+    def idle(self) -> None:
+        """Called on the idle engine thread every :attr:`idle_s` seconds."""
+
+    def copy_rows(self, copies: list[tuple[int, int, int]]) -> None:
+        """Partial-block prefix copies (:meth:`KVPools.copy_rows`), before a step's calls."""
+        self.pools.copy_rows(copies)
+
     def hold(self) -> None:
         """Build the following executes' graphs without queueing them, until :meth:`release`.
 

@@ -11,6 +11,7 @@ with per-layer overrides keyed by module path.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -193,10 +194,16 @@ def _load_llama(
 
 
 def _load_zoo(
-    folder: Path, dtype: str, keep_quantized: bool | None
+    folder: Path,
+    dtype: str,
+    keep_quantized: bool | None,
+    shard: Callable[[Any], object] | None = None,
 ) -> tuple[zoo.ZooModel, dict[str, Any], str]:
-    """Any attention architecture mlx-lm implements (models/zoo.py)."""
+    """Any attention architecture mlx-lm implements (models/zoo.py); ``shard`` splits
+    the lazily loaded model before anything is evaluated."""
     model, config = zoo.load_folder(folder)
+    if shard is not None:
+        shard(model)
     compute, dequant = resolve_dtype(dtype, zoo.checkpoint_dtype(model))
     if keep_quantized is not None:
         dequant = not keep_quantized
@@ -206,7 +213,11 @@ def _load_zoo(
 
 
 def load_hf_folder(
-    folder: Path, *, dtype: str = "auto", keep_quantized: bool | None = None
+    folder: Path,
+    *,
+    dtype: str = "auto",
+    keep_quantized: bool | None = None,
+    shard: Callable[[Any], object] | None = None,
 ) -> LoadedModel:
     """Load ``folder``; a missing or malformed file is a :class:`ModelLoadError`.
 
@@ -223,7 +234,12 @@ def load_hf_folder(
     vision = None
     from mlx_cairn.models.vision import load_vision_model, vision_model_type
 
-    if vision_model_type(config) is not None:
+    if shard is not None:  # one rank's shard: mlx-lm's class, split before evaluation
+        if vision_model_type(config) is not None:
+            raise ModelLoadError(f"{folder.name}: vision models cannot run across ranks yet")
+        model, config, tag = _load_zoo(folder, dtype, keep_quantized, shard)
+        context = context_length(config)
+    elif vision_model_type(config) is not None:
         model, vision, config, tag = load_vision_model(folder, dtype, keep_quantized)
         context = context_length(config)
     elif _llama_path(config):

@@ -5,7 +5,9 @@ from __future__ import annotations
 import importlib.util
 import logging
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from mlx_cairn.chat.detect import PARSER_FAMILIES, ReasoningInfo
 from mlx_cairn.errors import ModelLoadError, ModelNotFound
@@ -58,6 +60,7 @@ def load(
     keep_quantized: bool | None = None,
     parser_family: str | None = "auto",
     reasoning: ReasoningInfo | None = None,
+    shard: Callable[[Any], object] | None = None,
 ) -> LoadedModel:
     """Load a model: None (the embedded default), an HF/MLX folder, or a ``.gguf`` file.
 
@@ -70,6 +73,8 @@ def load(
     them on CPU; True / False force either.
     ``parser_family`` / ``reasoning`` override what is detected from the
     template ("auto" / None: detect).
+    ``shard``: split the lazily loaded mlx-lm model in place before it is
+    evaluated (one rank's part, engine/distributed.py); folders only.
     """
     if parser_family not in ("auto", None, *PARSER_FAMILIES):
         raise ModelLoadError(
@@ -77,6 +82,10 @@ def load(
         )
     path = resolve_path(path_or_name)
     start = time.perf_counter()
+    if shard is not None and (not path.is_dir() or _is_embedding_folder(path)):
+        raise ModelLoadError(
+            f"{path.name}: across ranks, serve a Hugging Face / MLX folder of a chat model"
+        )
     if path.is_dir() and _is_embedding_folder(path):
         from mlx_cairn.models.embedding import load_embedding_model
 
@@ -86,7 +95,7 @@ def load(
     if path.is_dir():
         from mlx_cairn.models.hf import load_hf_folder
 
-        lm = load_hf_folder(path, dtype=dtype, keep_quantized=keep_quantized)
+        lm = load_hf_folder(path, dtype=dtype, keep_quantized=keep_quantized, shard=shard)
     elif path.suffix.lower() == ".gguf":
         from mlx_cairn.models.gguf import load_gguf
 

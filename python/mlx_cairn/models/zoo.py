@@ -272,6 +272,8 @@ class _Probe:
     """A cache that only records what one layer stores (shapes are known before evaluation)."""
 
     offset = 0
+    #: What mlx-lm's pipelines read and replace (``cache[-1].keys = mx.depends(...)``).
+    keys = mx.zeros((1,))
 
     def __init__(self) -> None:
         self.shapes: tuple[tuple[int, ...], tuple[int, ...]] | None = None
