@@ -53,8 +53,39 @@ def workload(url: str, model: str) -> dict[str, Any]:
         details = r.usage.prompt_tokens_details if r.usage else None
         out[i] = (r.choices[0].message.content, (details.cached_tokens or 0) if details else 0)
 
+    schema = {
+        "type": "object",
+        "properties": {"city": {"type": "string", "maxLength": 8}},
+        "required": ["city"],
+        "additionalProperties": False,
+    }
     rounds = []
     try:
+        # Constrained decoding (grammar masks, rows sampled after their last token is
+        # read back) and a streamed answer, each beside a plain request.
+        extra: list[Any] = [None, None]
+        plain = threading.Thread(target=one, args=(0, extra))
+        plain.start()
+        r = client.chat.completions.create(
+            model=model,
+            messages=[{"role": "user", "content": "Where is Paris? Answer in JSON."}],
+            max_tokens=24,
+            temperature=0,
+            response_format={
+                "type": "json_schema",
+                "json_schema": {"name": "place", "schema": schema, "strict": True},
+            },
+        )
+        constrained = r.choices[0].message.content
+        stream = client.chat.completions.create(
+            model=model,
+            messages=[{"role": "user", "content": QUESTIONS[1]}],
+            max_tokens=MAX_TOKENS,
+            temperature=0,
+            stream=True,
+        )
+        streamed = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+        plain.join()
         for _ in range(2):
             got: list[Any] = [None] * len(QUESTIONS)
             threads = [threading.Thread(target=one, args=(i, got)) for i in range(len(QUESTIONS))]
@@ -68,6 +99,8 @@ def workload(url: str, model: str) -> dict[str, Any]:
     return {
         "texts": [[g[0] for g in r] for r in rounds],
         "cached": [[g[1] for g in r] for r in rounds],
+        "constrained": constrained,
+        "streamed": streamed,
     }
 
 

@@ -39,6 +39,7 @@ from mlx_cairn.engine.distributed import (
     EXIT_RANK_LOST,
     decode_forward,
     encode_forward,
+    head_problem,
     sharding_of,
     startup_problems,
 )
@@ -119,6 +120,9 @@ def test_two_ranks_answer_as_one_process(model_dir: Path, tmp_path: Path) -> Non
     got = json.loads(out.read_text())
     for name, ref in want.items():
         assert got[name]["texts"] == ref["texts"], name
+        assert got[name]["constrained"] == ref["constrained"], name
+        assert json.loads(got[name]["constrained"])["city"] is not None
+        assert got[name]["streamed"] == ref["streamed"], name
         # Round 2 re-sends every prompt: each hits the cache (at least the system prompt).
         assert all(c >= 64 for c in got[name]["cached"][1]), (name, got[name]["cached"])
         assert got[name]["prefix_hit_tokens"] > 0
@@ -224,6 +228,10 @@ def test_which_architectures_split() -> None:
     assert sharding_of("qwen3_next") == "pipeline"
     with pytest.raises(Exception, match=r"'gemma3_text'.*neither"):
         sharding_of("gemma3_text")
+    # Tensor parallel splits heads evenly: SmolLM2-135M's 9 do not go over 2 ranks.
+    assert head_problem({"num_attention_heads": 4, "num_key_value_heads": 2}, 2) is None
+    assert "= 9" in str(head_problem({"num_attention_heads": 9, "num_key_value_heads": 3}, 2))
+    assert "= 2" in str(head_problem({"text_config": {"num_key_value_heads": 2}}, 4))
 
 
 def _args(**kw: object) -> SimpleNamespace:

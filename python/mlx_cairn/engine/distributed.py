@@ -37,6 +37,7 @@ Either way rank 0 ends every request with a 503 (``unavailable``) and exits
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib
 import logging
 import os
@@ -135,9 +136,27 @@ def sharding_of(model_type: str) -> str:
     )
 
 
+def head_problem(config: dict[str, Any], ranks: int) -> str | None:
+    """Why tensor parallelism over ``ranks`` cannot split ``config``'s attention heads
+    evenly (mlx-lm's ``shard()`` divides them by the rank count), or None."""
+    text = config.get("text_config") or {}
+    for key in ("num_attention_heads", "num_key_value_heads"):
+        n = text.get(key, config.get(key))
+        if isinstance(n, int) and n % ranks:
+            return (
+                f"{key} = {n} cannot be split evenly over {ranks} ranks "
+                "(tensor parallel gives each rank the same number of heads)"
+            )
+    return None
+
+
 def shard_model(model: Any, group: Any) -> str:
     """Split a lazily loaded mlx-lm model over ``group`` in place; returns how."""
     if hasattr(model, "shard"):
+        args = getattr(model, "args", None)
+        config = vars(args) if args is not None and hasattr(args, "__dict__") else {}
+        if (problem := head_problem(config, group.size())) is not None:
+            raise ModelLoadError(problem)
         model.shard(group)
         return "tensor"
     inner = getattr(model, "model", None)
@@ -476,7 +495,7 @@ def follow(model: Any, group: Any, timeout: float) -> int:
             cache = PagedKVCache(pools, tables, offsets, lengths, slots)
             h = model(tokens, cache)
             cache.commit()
-            ch.run("a step", lambda h=h: mx.eval(h, *pools.arrays()))
+            ch.run("a step", functools.partial(mx.eval, h, *pools.arrays()))
         else:
             lost(f"unknown message {op}")
 
@@ -501,15 +520,29 @@ def startup_problems(args: Any) -> list[str]:
     try:
         config = json.loads((folder / "config.json").read_text())
         model_type = config.get("model_type")
-        text = config.get("text_config") or {}
-        if text.get("model_type") and text.get("model_type") != model_type:
-            model_type = str(model_type)
-        sharding_of(str(model_type))
+        how = sharding_of(str(model_type))
+        ranks = _world_size()
+        if how == "tensor" and ranks > 1 and (problem := head_problem(config, ranks)):
+            return [f"{folder.name}: {problem}"]
     except ModelLoadError as e:
         return [str(e)]
     except (OSError, ValueError) as e:
         return [f"{folder / 'config.json'}: {e}"]
     return []
+
+
+def _world_size() -> int:
+    """The number of ranks the launcher announced (0 when it does not say)."""
+    hosts = os.environ.get("MLX_HOSTFILE")
+    if hosts:
+        import json
+
+        with contextlib.suppress(OSError, ValueError), open(hosts) as f:
+            return len(json.load(f))
+    for key in ("OMPI_COMM_WORLD_SIZE", "MLX_WORLD_SIZE"):
+        if os.environ.get(key, "").isdigit():
+            return int(os.environ[key])
+    return 0
 
 
 def loader(group: Any) -> Callable[[str | None], Any]:

@@ -30,6 +30,7 @@ few ops overlap the building), and only then queues step n+1::
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -100,7 +101,7 @@ class ModelRunner:
     def idle(self) -> None:
         """Called on the idle engine thread every :attr:`idle_s` seconds."""
 
-    def copy_rows(self, copies: list[tuple[int, int, int]]) -> None:
+    def copy_rows(self, copies: Sequence[tuple[int, int, int]]) -> None:
         """Partial-block prefix copies (:meth:`KVPools.copy_rows`), before a step's calls."""
         self.pools.copy_rows(copies)
 
