@@ -362,7 +362,12 @@ class DistributedRunner(ModelRunner):
         # need every input on the host.
         host = np.asarray(tokens.tolist(), dtype=np.int32)
         self.channel.send(FORWARD, encode_forward(host, tables, offsets, lengths, slots))
-        h = super()._forward(mx.array(host), cache, rows, width)
+        try:
+            h = super()._forward(mx.array(host), cache, rows, width)
+        except Exception as e:
+            # The other ranks run this call; this rank cannot: they would wait forever.
+            self.channel.lose(f"rank 0 could not build a call it sent: {e}")
+            raise RankLost(str(self.channel.lost)) from e
         # Every rank must run every collective of the call, in the same order: the
         # followers evaluate ``h``, so must rank 0, even where it samples nothing
         # from it (a prompt's middle chunk; the last layer's sums feed ``h`` only).
@@ -370,17 +375,17 @@ class DistributedRunner(ModelRunner):
         return h
 
     def execute(self, plan: Any) -> StepOutput:
-        sent = self.channel.sent
         try:
             return super().execute(plan)
         except RankLost:
             raise
-        except Exception as e:
-            self._outputs = []
-            if self.channel.sent != sent:
-                # The other ranks ran calls this rank did not finish: their pools
-                # (recurrent state above all) no longer match, so the group stops.
-                self.channel.lose(f"a step failed on rank 0 after it was sent: {e}")
+        except Exception:
+            # A row failed after its calls were sent (its logits processors, say):
+            # the other ranks run those calls, so this rank evaluates them too, or
+            # the collectives would pair wrongly. The engine then retries the rows.
+            outputs, self._outputs = self._outputs, []
+            if outputs:
+                self.channel.run("a failed step", functools.partial(mx.eval, outputs))
             raise
 
     def _queue(self, *arrays: mx.array) -> None:
