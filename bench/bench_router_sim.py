@@ -28,8 +28,8 @@ small machine:
   decode steps of 1 / 8 / 16 rows 62.3 / 101.4 / 149.7 ms = 56.5 + 5.83 per
   row). Decode steps with nothing to prefill are taken ``--macro-steps`` at a
   time (an arrival waits at most that many steps to be admitted);
-- simulated time runs as real time scaled by ``--time-scale`` (0.1: a
-  simulated second is 100 ms), so the router sees real concurrency and its
+- simulated time runs as real time scaled by ``--time-scale`` (0.05: a
+  simulated second is 50 ms), so the router sees real concurrency and its
   in-flight counts mean what they mean in production;
 - the workload: ``--sessions-per-replica`` x N agent sessions, starting at
   random over ``--arrival-s`` simulated seconds, each ``--turns`` turns; every
@@ -48,11 +48,11 @@ turns 2+), prompt tokens computed, throughput (prompt + answer tokens of all
 sessions per simulated second, first arrival to last answer, replicas in
 parallel), turn latency p50 / p95 (simulated), requests per replica max / mean.
 
-Run (4, 16 and 64 replicas, both policies; about 6 minutes on 2 shared cores)::
+Run (4, 16 and 64 replicas, both policies; a few minutes on 2 shared cores)::
 
     .venv/bin/python bench/bench_router_sim.py
-    .venv/bin/python bench/bench_router_sim.py --replicas 16 --policies cache_aware \\
-        --router-arg=--balance-abs-threshold=4 --json out.json
+    .venv/bin/python bench/bench_router_sim.py --policies cache_aware \\
+        --router-arg=--balance-abs-threshold=2 --router-arg=--balance-rel-threshold=1.2
 """
 
 from __future__ import annotations
@@ -539,7 +539,7 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--router-arg", action="append", default=[],
                     help="passed to the router (repeat), e.g. --router-arg=--cache-threshold=0.5")  # fmt: skip
     ap.add_argument("--sessions-per-replica", type=int, default=4)
-    ap.add_argument("--turns", type=int, default=8)
+    ap.add_argument("--turns", type=int, default=4)
     ap.add_argument("--prefix-tokens", type=int, default=3000, help="shared system + tools")
     ap.add_argument("--turn-tokens", type=int, default=300, help="new user tokens a turn")
     ap.add_argument("--answer-tokens", type=int, default=48)
@@ -550,7 +550,7 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--decode-ms", type=float, default=56.5, help="per decode step")
     ap.add_argument("--decode-row-ms", type=float, default=5.83, help="per decode step and row")
     ap.add_argument("--macro-steps", type=int, default=8)
-    ap.add_argument("--time-scale", type=float, default=0.1, help="real s per simulated s")
+    ap.add_argument("--time-scale", type=float, default=0.05, help="real s per simulated s")
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--fixtures", type=Path, default=FIXTURES.resolve())
     ap.add_argument("--json", type=Path, default=None)
