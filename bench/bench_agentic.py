@@ -189,7 +189,7 @@ async def run_round(
         res["engine"] = {
             k: after.get(k, 0) - before.get(k, 0)
             for k in ("prefill_tokens", "prefix_hit_tokens", "partial_hit_tokens",
-                      "prefix_join_waits", "preemptions", "generated_tokens")
+                      "prefix_join_waits", "prefill_holds", "preemptions", "generated_tokens")
         }  # fmt: skip
     return res
 

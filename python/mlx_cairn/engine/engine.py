@@ -372,6 +372,7 @@ class Engine:
             self._scheduler, loaded_model.tokenizer, self._eos, on_left_queue
         )
         self._inflight: StepOutput | None = None  # launched, not read back yet
+        self._step_from = 0.0  # when the step being computed started (Scheduler.step_done)
         self._stalled = False  # the last step could plan nothing: wait for an event
         self._stats = EngineStats()
         self._snapshot_stats()
@@ -622,6 +623,8 @@ class Engine:
                         self._drafter.pools.copy_rows(copies)
                 if self.apply_first:
                     self._runner.hold()
+                if self._inflight is None:
+                    self._step_from = time.perf_counter()  # otherwise from the last apply
                 launched = self._launch_isolated(plan)
                 if launched is not None:
                     up.launched(launched)
@@ -787,6 +790,9 @@ class Engine:
             self._drain_inflight()
             self._recover_pools()
             return
+        now = time.perf_counter()
+        self._scheduler.step_done(out.plan, now - self._step_from)
+        self._step_from = now
         self._update.sampled(step, results)
 
     def _drain_inflight(self) -> None:
@@ -922,6 +928,7 @@ class Engine:
             partial_hit_tokens=sched.partial_hit_tokens,
             prefill_tokens=up.prefill_tokens,
             prefix_join_waits=sched.join_waits,
+            prefill_holds=sched.prefill_holds,
             preemptions=sched.num_preemptions,
             generated_tokens=up.generated_tokens,
             requests_total=up.requests,

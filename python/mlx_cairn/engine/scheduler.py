@@ -7,13 +7,25 @@ Each call to :meth:`Scheduler.schedule` plans one engine step::
     1. decode: every admitted sequence with exactly one pending token gets a row
        (oldest first); a row that needs a new block and finds none preempts the
        youngest admitted sequence (possibly itself);
-    2. prefill: older partially-prefilled sequences continue, then new ones are
+    2. prefill (unless decoding rows are owed time, see below): older
+       partially-prefilled sequences continue, then new ones are
        admitted from the FIFO queue (prefix-cache lookup first), each taking a
        chunk of the remaining budget (all of its prompt when the rest would be a
        sliver of at most 1/TAIL_FRACTION of the budget, so the step may go over
        by that much);
     admission stops at the first request that cannot get its blocks (FIFO),
     or when ``max_batch`` sequences are admitted.
+
+A step with prefill chunks makes its decoding rows wait for them (on a CPU,
+or a Mac at long context, a 512-token chunk over a 3,000-token context takes
+seconds): the engine reports each step's time (``step_done``), and after a
+step that prefilled beside decoding rows, the next steps decode only until
+those rows have had :data:`DECODE_SHARE` of the time. The step in flight
+counts too (it was planned with prefill: the next plan decodes only), so
+streams keep moving at no less than about half their own speed while other
+requests prefill, and the prefill total is unchanged (the same chunks, later)::
+
+    step      1: decode + chunk (3 s)  2..k: decode only (3 s)  k+1: decode + chunk ...
 
 Preempted sequences drop their blocks (full ones stay in the prefix cache)
 and go back to the queue in arrival order, ahead of newer requests.
@@ -88,6 +100,15 @@ PARTIAL_CHILDREN = 32
 #: shares them to wait for it (Scheduler._joins): waiting costs the request a step,
 #: worth it for a shared system prompt, not for a chat template's opening block.
 JOIN_MIN_TOKENS = 64
+
+#: While sequences decode, at least this share of the engine's time goes to steps
+#: without prefill (Scheduler.step_done): a step that prefills next to decoding
+#: rows makes them wait for its chunk, so the steps after it decode only until
+#: they have had as much time again. 0 turns it off.
+DECODE_SHARE = 0.5
+#: Most decode-only seconds owed at once (a very long chunk does not stall
+#: prefill for longer than this).
+MAX_DECODE_OWED_S = 10.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -268,6 +289,14 @@ class Scheduler:
         self.join_min_tokens = JOIN_MIN_TOKENS
         #: Admissions put off because a running sequence was computing their prefix.
         self.join_waits = 0
+        #: See :data:`DECODE_SHARE`.
+        self.decode_share = DECODE_SHARE
+        #: Seconds of decode-only steps owed to decoding rows, and the last plan
+        #: that prefilled beside them while it is in flight.
+        self._owed_s = 0.0
+        self._mixed: StepPlan | None = None
+        #: Steps whose prefill waited for decoding rows.
+        self.prefill_holds = 0
 
     # ------------------------------------------------------------- membership
 
@@ -324,6 +353,9 @@ class Scheduler:
                 self._drop(seq, e, plan)
         budget = self.step_token_budget - len(plan.decode)
         budget -= sum(1 + len(d) for _, d in plan.verify)
+        if (plan.decode or plan.verify) and self._owes_decode():
+            budget = 0  # decoding rows are owed time: no prefill this step
+            self.prefill_holds += 1
         for seq in list(self.running):
             if budget <= 0:
                 break
@@ -368,7 +400,27 @@ class Scheduler:
             # snapshots of evicted prefixes go now. Slots this plan reads are only
             # reused by later plans, whose writes come after its reads.
             self.states.trim(self.cache, headroom=self.max_batch)
-        return plan.freeze(self.block_size)
+        frozen = plan.freeze(self.block_size)
+        if frozen.prefill and (frozen.decode or frozen.verify):
+            self._mixed = frozen
+        return frozen
+
+    def _owes_decode(self) -> bool:
+        return self.decode_share > 0 and (self._owed_s > 0 or self._mixed is not None)
+
+    def step_done(self, plan: StepPlan, seconds: float) -> None:
+        """A launched step took ``seconds``: settle what decoding rows are owed
+        (:data:`DECODE_SHARE`)."""
+        if plan is self._mixed:
+            self._mixed = None
+        if not (plan.decode or plan.verify):
+            self._owed_s = 0.0  # nobody was decoding
+        elif plan.prefill:
+            share = min(self.decode_share, 0.95)
+            owed = self._owed_s + seconds * share / (1.0 - share)
+            self._owed_s = min(MAX_DECODE_OWED_S, owed)
+        else:
+            self._owed_s = max(0.0, self._owed_s - seconds)
 
     def _draft(self, seq: Sequence) -> tuple[int, ...]:
         """A speculating row's draft for its next token (empty: it decodes one token).

@@ -45,6 +45,9 @@ class EngineStats:
     prefill_tokens: int = 0
     #: Admissions put off while another request computed their prefix (joined).
     prefix_join_waits: int = 0
+    #: Steps that decoded only, their prefill held back for decoding rows
+    #: (scheduler.DECODE_SHARE).
+    prefill_holds: int = 0
     preemptions: int = 0
     generated_tokens: int = 0
     requests_total: int = 0
