@@ -10,7 +10,7 @@ from starlette.responses import Response
 
 from mlx_cairn.api.dialects import Dialect, ModelInfo
 from mlx_cairn.api.registry import ServedModel
-from mlx_cairn.api.runner import count_prompt_tokens, serve_generation
+from mlx_cairn.api.runner import count_prompt_tokens, serve_generation, serve_render
 from mlx_cairn.api.state import AppState, app_state, json_response, read_json
 from mlx_cairn.errors import error_kind
 from mlx_cairn.protocol.anthropic import (
@@ -106,3 +106,11 @@ async def count_tokens(request: Request) -> Response:
     finally:
         sm.release()  # idempotent: count_tokens gives it back already
     return json_response({"input_tokens": n})
+
+
+@router.post("/v1/messages/render")
+async def render_message(request: Request) -> Response:
+    """``{"model": ..., "token_ids": [...]}``: the prompt ids the same Messages body
+    would prefill, in the shape of ``/v1/chat/completions/render``; nothing is
+    generated (no router asks for it yet: see docs/routers.md)."""
+    return await serve_render(request, _parse)

@@ -196,6 +196,11 @@ def create_app(registry: ModelRegistry, config: ServerConfig | None = None) -> F
         # HEAD is GET without the body; one route per method keeps OpenAPI ids unique.
         app.add_api_route(path, probe, methods=["HEAD"], include_in_schema=False)
     app.add_api_route("/v1/models", list_models, methods=["GET"])
+    # What sglang-router asks each worker at registration (and sglang's older names).
+    for path in ("/model_info", "/get_model_info"):
+        app.add_api_route(path, model_info, methods=["GET"])
+    for path in ("/server_info", "/get_server_info"):
+        app.add_api_route(path, server_info, methods=["GET"])
     app.add_api_route("/v1/models/{model_id:path}", get_model, methods=["GET"])
 
     @app.exception_handler(CairnError)
@@ -266,6 +271,59 @@ async def health(request: Request) -> Response:
             entry["stats"] = (await asyncio.to_thread(engine.stats)).as_dict()
         models.append(entry)
     return json_response({"status": "ok", "version": __version__, "models": models})
+
+
+def _model_info(state: AppState) -> dict[str, Any]:
+    """sglang's ``/model_info`` for the first served model (the one ``default`` names):
+    ``model_path`` is the name requests use, so a router keys its workers by it."""
+    from mlx_cairn.models.embedding import model_kind
+
+    sm = state.registry.models[0]
+    info = state.registry.info(sm.name)
+    body: dict[str, Any] = {
+        "model_path": sm.name,
+        "tokenizer_path": None,
+        "served_model_name": sm.name,
+        "is_generation": model_kind(sm.loaded, sm.source) != "embedding",
+        "preferred_sampling_params": None,
+        "weight_version": "default",
+        "supports_vision": bool(info.vision),
+        "has_image_understanding": bool(info.vision),
+        "has_audio_understanding": False,
+        "max_context_length": info.context_length,
+        "max_req_input_len": info.context_length,
+    }
+    loaded = sm.loaded
+    if loaded is not None:
+        eos = sorted(int(t) for t in getattr(loaded, "eos_token_ids", ()) or ())
+        body["eos_token_ids"] = eos
+    return body
+
+
+async def model_info(request: Request) -> Response:
+    """``GET /model_info`` (and ``/get_model_info``): sglang's model description,
+    which sglang-router reads when a worker registers (docs/routers.md)."""
+    return json_response(_model_info(app_state(request)))
+
+
+async def server_info(request: Request) -> Response:
+    """``GET /server_info`` (and ``/get_server_info``): sglang's server description
+    (its server arguments and version), for sglang-router's worker registration."""
+    state = app_state(request)
+    sm = state.registry.models[0]
+    engine = sm.engine
+    body = _model_info(state)
+    body.update(
+        {
+            "version": __version__,
+            "server": "mlx-cairn",
+            "context_length": body["max_context_length"],
+            "page_size": getattr(engine, "block_size", None),
+            "tp_size": 1,
+            "dp_size": 1,
+        }
+    )
+    return json_response(body)
 
 
 async def list_models(request: Request) -> Response:

@@ -14,7 +14,7 @@ from starlette.responses import Response
 
 from mlx_cairn.api.dialects import Dialect
 from mlx_cairn.api.registry import ServedModel
-from mlx_cairn.api.runner import serve_generation
+from mlx_cairn.api.runner import serve_generation, serve_render
 from mlx_cairn.api.state import AppState
 from mlx_cairn.protocol.images import ImageReader
 from mlx_cairn.protocol.openai_chat import ChatCodec, OpenAIChatRequest, parse_chat_request
@@ -57,3 +57,11 @@ def _codec(
 async def create_chat_completion(request: Request) -> Response:
     """Chat Completions: SSE chunks when ``stream`` is true, else one JSON completion."""
     return await serve_generation(request, DIALECT, _parse, _codec)
+
+
+@router.post("/v1/chat/completions/render")
+async def render_chat_completion(request: Request) -> Response:
+    """``{"model": ..., "token_ids": [...]}``: the prompt ids the same body would prefill
+    (vLLM's render route, which vllm-router's ``cache_aware`` policy asks every
+    worker for); nothing is generated."""
+    return await serve_render(request, _parse)

@@ -26,6 +26,7 @@ from mlx_cairn.api.runner import (
     prepare_generation,
     respond,
     serve_generation,
+    serve_render,
 )
 from mlx_cairn.api.state import AppState
 from mlx_cairn.protocol.base import Codec
@@ -124,3 +125,10 @@ async def _start(
 async def create_completion(request: Request) -> Response:
     """Legacy Completions: SSE chunks when ``stream`` is true, else one JSON ``text_completion``."""
     return await serve_generation(request, DIALECT, _parse, _codec, start=_start)
+
+
+@router.post("/v1/completions/render")
+async def render_completion(request: Request) -> Response:
+    """The prompt ids each prompt of the body would prefill, as
+    ``/v1/chat/completions/render`` (one object, or a list for several prompts)."""
+    return await serve_render(request, _parse, lambda req: req.choices[:: req.n])

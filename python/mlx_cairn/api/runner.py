@@ -66,7 +66,7 @@ from starlette.types import Receive, Scope, Send
 from mlx_cairn.api.dialects import Dialect, error_response
 from mlx_cairn.api.metrics import CLIENT_GONE_SCOPE_KEY, observe_event
 from mlx_cairn.api.registry import ModelLease, ServedModel
-from mlx_cairn.api.state import AppState, app_state, read_json
+from mlx_cairn.api.state import AppState, app_state, json_response, read_json
 from mlx_cairn.errors import CairnError, ContextLengthExceeded, error_kind
 from mlx_cairn.models.embedding import model_kind, not_a_chat_model
 from mlx_cairn.protocol.base import Codec, Framing, WireEvent, check_depth, framing_of
@@ -307,6 +307,55 @@ async def start_generation(
         await turn()
     stream = sm.engine.submit(prepared)
     return Generation(stream, int(prepared.num_prompt_tokens), sm)
+
+
+async def serve_render(
+    request: Request,
+    parse: Callable[[Any, AppState], R],
+    chats: Callable[[R], list[ChatRequest]] = lambda req: [req.chat],
+) -> Response:
+    """The prompt token ids a generation route would prefill for this body, nothing generated.
+
+    vLLM's render routes (``POST /v1/chat/completions/render`` ...), which
+    vllm-router's ``cache_aware`` and ``kv_aware`` policies ask every worker
+    for: ``{"model": ..., "token_ids": [...]}``, one object per prompt (a list
+    of them for a legacy Completions body with several prompts). The body goes
+    through the dialect's own parser (unknown fields ignored, bad ones a 400
+    in its envelope) and the engine's own template + tokenizer path
+    (:func:`mlx_cairn.engine.prepare.render`, the one ``Engine.prepare``
+    takes), so the ids are exactly the ones a generation would prefill.
+    Neither ``max_tokens`` nor the context is checked: a router only needs the
+    prefix.
+    """
+    state = app_state(request)
+    body = await read_json(request)
+    req = await asyncio.to_thread(_check_and_parse, parse, body, state)
+    sm = state.registry.resolve(req.model)
+    if model_kind(sm.loaded, sm.source) == "embedding":
+        raise not_a_chat_model(req.model)
+    prompts = chats(req)
+    if any(has_images(c) for c in prompts):
+        if sm.loaded is not None:
+            for c in prompts:
+                refuse_images(c, sm, req.model, req.prompt_param)
+        for c in prompts:
+            await fetch_pending(c, state.config.images)
+    lease: Any = await state.registry.get(req.model)
+    try:
+        for c in prompts:
+            refuse_images(c, lease, req.model, req.prompt_param)
+        loaded = lease.loaded
+        ids = [await asyncio.to_thread(_prompt_ids, loaded, c) for c in prompts]
+    finally:
+        lease.release()
+    out = [{"model": lease.names[0], "token_ids": t} for t in ids]
+    return json_response(out[0] if len(out) == 1 else out)
+
+
+def _prompt_ids(loaded: Any, chat: ChatRequest) -> list[int]:
+    from mlx_cairn.engine.prepare import render
+
+    return [int(t) for t in render(loaded, chat).ids]
 
 
 def count_prompt_tokens(sm: ServedModel | ModelLease, chat: ChatRequest) -> int:
