@@ -3,6 +3,8 @@ decode only until the decoding rows have had their share of the time."""
 
 from __future__ import annotations
 
+import pytest
+
 from mlx_cairn.engine.scheduler import MAX_DECODE_OWED_S, Scheduler
 from mlx_cairn.engine.testing import bare_sequence
 from mlx_cairn.kv import BlockPool, PrefixCache
@@ -107,7 +109,8 @@ def test_prefill_alone_is_never_held():
 # ------------------------------------------------------------------ engine
 
 
-def test_engine_holds_prefill_for_a_decoding_stream_and_answers_stay_greedy():
+@pytest.mark.parametrize("share", [None, 0.0])
+def test_engine_holds_prefill_for_a_decoding_stream_and_answers_stay_greedy(share):
     import dataclasses
 
     from mlx_cairn.engine import Engine
@@ -119,7 +122,8 @@ def test_engine_holds_prefill_for_a_decoding_stream_and_answers_stay_greedy():
     short = [(11 * i) % 200 + 20 for i in range(12)]
     long = [(7 * i) % 230 + 9 for i in range(320)]  # five chunks of 64
 
-    with closing_at_rest(Engine(lm, num_blocks=128, block_size=16, step_token_budget=64)) as e:
+    engine = Engine(lm, num_blocks=128, block_size=16, step_token_budget=64, decode_share=share)
+    with closing_at_rest(engine) as e:
         base = e.prepare(
             ChatRequest(messages=[Message("user", "x")], sampling=SamplingParams(temperature=0.0))
         )
@@ -133,5 +137,14 @@ def test_engine_holds_prefill_for_a_decoding_stream_and_answers_stay_greedy():
         assert list(a.output_ids) == greedy_reference(lm, short, 40)
         assert list(b.output_ids) == greedy_reference(lm, long, 4)
         st = e.stats()
-    assert st.prefill_holds > 0
+    assert (st.prefill_holds > 0) == (share is None)  # on by default; 0 turns it off
     assert st.prefill_tokens == len(short) + len(long)
+
+
+@pytest.mark.parametrize("bad", [-0.1, 0.95, float("nan"), "0.5"])
+def test_engine_refuses_a_share_out_of_range(bad):
+    from mlx_cairn.engine import Engine
+    from mlx_cairn.models.testing import tiny_model
+
+    with pytest.raises(ValueError, match="decode_share"):
+        Engine(tiny_model("llama", seed=9), num_blocks=16, decode_share=bad)

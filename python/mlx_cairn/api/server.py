@@ -127,6 +127,14 @@ def non_negative(text: str) -> float:
     return value
 
 
+def share(text: str) -> float:
+    """A fraction from 0 to 0.9 (``--decode-share``)."""
+    value = non_negative(text)
+    if value > 0.9:
+        raise argparse.ArgumentTypeError(f"must be from 0 to 0.9, got {text}")
+    return value
+
+
 def is_loopback(host: str) -> bool:
     """Whether ``host`` only accepts connections from this machine."""
     if host == "localhost":
@@ -232,6 +240,7 @@ def build(
         ("--max-image-bytes", getattr(args, "max_image_bytes", None), 1, True),
         ("--max-images", getattr(args, "max_images", None), 0, True),
         ("--image-url-timeout", getattr(args, "image_url_timeout", None), 0, False),
+        ("--decode-share", getattr(args, "decode_share", None), 0, True),
     ):
         if value is None:
             continue
@@ -298,6 +307,7 @@ def build(
                 draft_model=draft_model(),
                 kv_bits=kv_bits,
                 kv_group_size=kv_group_size,
+                decode_share=getattr(args, "decode_share", None),
             )
         except ValueError as e:
             from mlx_cairn.engine.paged_quant import KVQuantError
@@ -560,6 +570,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         metavar="N",
         help="requests generating at once; the rest wait in the queue "
         "(default 32, 16 for models with recurrent layers)",
+    )
+    p.add_argument(
+        "--decode-share",
+        type=share,
+        default=None,
+        metavar="X",
+        help="least share of the time streams that are generating get while other "
+        "requests prefill, 0 to 0.9 (default 0.5; 0: prefill chunks ride in every step, "
+        "the most prefill throughput and the slowest streams meanwhile)",
     )
     p.add_argument(
         "--kv-cache-gb",

@@ -162,6 +162,10 @@ class Engine:
             other settings is not read).
         kv_group_size: values per scale/bias group (32, 64 or 128; must divide
             every layer's head dimension).
+        decode_share: the least share of the engine's time decoding streams get
+            while other requests prefill (0 to 0.9; default
+            ``scheduler.DECODE_SHARE``; 0 mixes every prefill chunk into the
+            decode steps, the most prefill throughput).
     """
 
     def __init__(
@@ -186,7 +190,12 @@ class Engine:
         gather_s: float = DEFAULT_GATHER_S,
         kv_bits: int | None = None,
         kv_group_size: int = DEFAULT_KV_GROUP_SIZE,
+        decode_share: float | None = None,
     ) -> None:
+        if decode_share is not None and not (
+            isinstance(decode_share, (int, float)) and 0 <= decode_share <= 0.9
+        ):
+            raise ValueError(f"decode_share must be between 0 and 0.9, got {decode_share!r}")
         for name, val in (
             ("block_size", block_size),
             ("max_queue", max_queue),
@@ -318,6 +327,8 @@ class Engine:
             step_token_budget=step_token_budget,
             states=states,
         )
+        if decode_share is not None:
+            self._scheduler.decode_share = float(decode_share)
         if self._disk is not None:
             disk = self._disk
             self._scheduler.disk = disk
