@@ -40,6 +40,7 @@ from mlx_cairn.constrain import GrammarMask
 from mlx_cairn.engine import prepare as _prep
 from mlx_cairn.engine.disk import DiskTier, stable_seed
 from mlx_cairn.engine.draft import DraftModel, same_vocabulary
+from mlx_cairn.engine.kv_events import KVEventPublisher
 from mlx_cairn.engine.logits import masks_for
 from mlx_cairn.engine.paged import KVPools, LayerSpec, pool_blocks
 from mlx_cairn.engine.paged_quant import DEFAULT_KV_GROUP_SIZE, check_kv_quant
@@ -166,6 +167,11 @@ class Engine:
             while other requests prefill (0 to 0.9; default
             ``scheduler.DECODE_SHARE``; 0 mixes every prefill chunk into the
             decode steps, the most prefill throughput).
+        kv_events: publish the prefix cache's changes for a cache-aware router
+            (engine/kv_events.py): a ZMQ bind address (``tcp://HOST:PORT``; the
+            engine opens the socket and closes it) or a ``KVEventPublisher`` that
+            outlives the engine. Block hashes are then seeded from the model, as
+            with ``kv_disk_dir``.
     """
 
     def __init__(
@@ -191,6 +197,7 @@ class Engine:
         kv_bits: int | None = None,
         kv_group_size: int = DEFAULT_KV_GROUP_SIZE,
         decode_share: float | None = None,
+        kv_events: str | KVEventPublisher | None = None,
     ) -> None:
         if decode_share is not None and not (
             isinstance(decode_share, (int, float)) and 0 <= decode_share <= 0.9
@@ -302,6 +309,9 @@ class Engine:
         self._pool = BlockPool(num_blocks=num_blocks, block_size=block_size)
         self._disk: DiskTier | None = None
         self._seed: int | None = None
+        if kv_events is not None:
+            # Routers compare hashes across restarts and replicas: seed from the model.
+            self._seed = stable_seed(str(loaded_model.identity))
         if kv_disk_dir is not None:
             if kv_disk_gb is None:
                 kv_disk_gb = DEFAULT_DISK_GB
@@ -329,6 +339,18 @@ class Engine:
         )
         if decode_share is not None:
             self._scheduler.decode_share = float(decode_share)
+        #: KV-cache events for a router (engine/kv_events.py), and whether this engine
+        #: opened the socket (and closes it) or was handed one that outlives it.
+        self._events: KVEventPublisher | None = None
+        self._owns_events = False
+        if isinstance(kv_events, str):
+            self._events, self._owns_events = KVEventPublisher(kv_events), True
+        elif kv_events is not None:
+            self._events = kv_events
+        if self._events is not None:
+            self._scheduler.events = self._events
+            self._events.cleared()  # a router may still hold a previous engine's blocks
+            self._events.flush()
         if self._disk is not None:
             disk = self._disk
             self._scheduler.disk = disk
@@ -555,6 +577,11 @@ class Engine:
             up.fail_all("the engine was closed", count=False)
             if self._disk is not None:
                 self._save_resident()
+            if (ev := self._events) is not None:
+                ev.cleared()  # this engine's blocks go with it
+                ev.flush()
+                if self._owns_events:
+                    ev.close()
             self._snapshot_stats()
             return False
         try:
@@ -563,6 +590,8 @@ class Engine:
             log.exception("engine step failed")
             self._drain_inflight()
             up.fail_all(f"engine error: {e}")
+        if self._events is not None:
+            self._events.flush()  # this step's cache changes, one batch
         self._snapshot_stats()
         return True
 
@@ -830,6 +859,8 @@ class Engine:
             self._pool = BlockPool(num_blocks=p.num_blocks, block_size=p.block_size)
             self._cache = PrefixCache(self._pool, seed=self._seed)
             self._scheduler.pool, self._scheduler.cache = self._pool, self._cache
+            if self._events is not None:
+                self._events.cleared()
             if (st := self._scheduler.states) is not None:
                 self._scheduler.states = StateSlots(
                     st.num_slots,
@@ -901,6 +932,8 @@ class Engine:
                 for at, first, n in runs:
                     pool[:, first : first + n] = arr[:, at : at + n]
             self._cache.insert(hashes, hit + list(ids))
+            if self._events is not None:
+                self._scheduler.publish_stored(seq, hashes, hit + list(ids), start, start + k)
             self._pool.free(hit + list(ids))
         states = self._scheduler.states
         nb = seq.disk_snap_blocks
@@ -950,6 +983,8 @@ class Engine:
             spec_draft_tokens=up.draft_proposed,
             spec_accepted_tokens=up.draft_accepted,
         )
+        if (ev := self._events) is not None:
+            snap = replace(snap, kv_events_batches=ev.sent, kv_events_dropped=ev.dropped)
         if (d := self._disk) is not None:  # EngineStats.disk_<x> is DiskStats.<x>
             snap = replace(snap, **{f"disk_{k}": v for k, v in asdict(d.stats).items()})
         if (st := sched.states) is not None:

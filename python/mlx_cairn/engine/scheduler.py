@@ -267,6 +267,9 @@ class Scheduler:
         self.disk: Any = None
         self.on_evict: Callable[[list[tuple[int, int]]], None] | None = None
         self.on_loaded: Callable[[Sequence], None] | None = None
+        #: KV-cache events for a router (engine/kv_events.py), or None: blocks that
+        #: join the cache and cached blocks evicted are reported to it.
+        self.events: Any = None
         self.block_size: int = pool.block_size
         self.max_batch = max_batch
         self.step_token_budget = step_token_budget
@@ -645,12 +648,18 @@ class Scheduler:
 
     def _allocate(self, n: int) -> list[int] | None:
         """``pool.allocate(n)``; with a disk tier, the cached blocks it is about to evict
-        (the head of the free list) are handed to ``on_evict`` first."""
-        if self.on_evict is not None and 0 < n <= self.pool.num_free_blocks:
+        (the head of the free list) are handed to ``on_evict`` first, and with KV
+        events their hashes are reported removed."""
+        if (
+            self.on_evict is not None or self.events is not None
+        ) and 0 < n <= self.pool.num_free_blocks:
             head = self.pool.free_list()[:n]
             victims = [(b, h) for b in head if (h := self.cache.block_hash(b)) is not None]
             if victims:
-                self.on_evict(victims)
+                if self.on_evict is not None:
+                    self.on_evict(victims)
+                if self.events is not None:
+                    self.events.removed([h for _, h in victims])
         return self.pool.allocate(n)  # type: ignore[no-any-return]
 
     def _grow(self, seq: Sequence, n: int, plan: _Draft) -> bool:
@@ -797,6 +806,8 @@ class Scheduler:
                     seq.hash_tokens(0, full * self.block_size), salt=seq.prepared.salt
                 )
             self.cache.insert(h, seq.block_ids[:full])
+            if self.events is not None:
+                self.publish_stored(seq, h, seq.block_ids, seq.num_registered, full)
             self._remember(seq, h, seq.num_registered, full)
             seq.num_registered = full
         if seq.pending_snapshots and self.states is not None:
@@ -804,6 +815,29 @@ class Scheduler:
             seq.pending_snapshots = [x for x in seq.pending_snapshots if x[0] > seq.num_registered]
             for nb, slot in ready:
                 self._keep_snapshot(seq, nb, slot)
+
+    def publish_stored(
+        self, seq: Sequence, hashes: Any, block_ids: list[int], first: int, end: int
+    ) -> None:
+        """Report blocks ``first .. end - 1`` of ``seq`` (``block_ids``, just inserted)
+        that joined the cache as KV events: one ``stored`` per run of consecutive
+        blocks. A block whose content was cached elsewhere already stays out of the
+        cache (``PrefixCache.insert``) and was reported when that one joined."""
+        bs = self.block_size
+        run: list[int] = []
+        for i in range(first, end + 1):
+            if i < end and self.cache.block_hash(block_ids[i]) == int(hashes[i]):
+                run.append(i)
+                continue
+            if run:
+                a, b = run[0], run[-1] + 1
+                self.events.stored(
+                    [int(hashes[j]) for j in run],
+                    int(hashes[a - 1]) if a else None,
+                    seq.tokens[a * bs : b * bs],
+                    bs,
+                )
+                run = []
 
     def _hashes(self, seq: Sequence, num_blocks: int) -> Any:
         """``seq``'s kept block hashes, extended by its next full blocks up to ``num_blocks``."""

@@ -83,6 +83,10 @@ class EngineStats:
     spec_verify_rows: int = 0
     spec_draft_tokens: int = 0
     spec_accepted_tokens: int = 0
+    #: KV-cache events (``kv_events``; 0 without): batches sent to the router's
+    #: socket, and batches dropped because the sender fell behind.
+    kv_events_batches: int = 0
+    kv_events_dropped: int = 0
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)

@@ -1,0 +1,254 @@
+"""KV-cache events for a cache-aware router (engine/kv_events.py), read off the wire.
+
+A ZMQ SUB socket decodes what a real engine (tiny random llama) publishes:
+the BlockStored chain of a prompt (parent links, the prompt's token blocks,
+the disk tier's chained hashes), a second prompt sharing the prefix stores
+only its own blocks, BlockRemoved as a small pool evicts, and replaying the
+events gives exactly the set of blocks the engine has cached.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import socket
+import time
+
+import msgpack
+import numpy as np
+import pytest
+import zmq
+
+from mlx_cairn.engine import Engine
+from mlx_cairn.engine.disk import stable_seed
+from mlx_cairn.engine.kv_events import KVEventPublisher, KVEventsError, check_endpoint
+from mlx_cairn.engine.testing import wait_idle
+from mlx_cairn.kv import BlockPool, PrefixCache
+from mlx_cairn.models.testing import tiny_model
+from mlx_cairn.types import ChatRequest, Done, Message, SamplingParams
+
+TIMEOUT = 60.0
+BS = 16
+MAX_TOKENS = 4
+
+
+@pytest.fixture(scope="module")
+def lm():
+    return tiny_model("llama", seed=4)
+
+
+def free_endpoint() -> str:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return f"tcp://127.0.0.1:{s.getsockname()[1]}"
+
+
+class Wire:
+    """A SUB socket on ``pub``'s endpoint, joined (a probe got through) before use."""
+
+    def __init__(self, pub: KVEventPublisher) -> None:
+        self.ctx = zmq.Context()
+        self.sub = self.ctx.socket(zmq.SUB)
+        self.sub.setsockopt(zmq.SUBSCRIBE, b"")
+        self.sub.connect(pub.endpoint)
+        self.batches: list[tuple[int, list]] = []  # since the last clear
+        self.all: list[tuple[int, list]] = []  # since the probe
+        deadline = time.monotonic() + 10
+        while True:  # PUB drops what it sends before the subscription arrives
+            pub.cleared()
+            pub.flush()
+            if self.sub.poll(100):
+                break
+            assert time.monotonic() < deadline, "the subscriber never joined"
+        self.drain(0.2)
+        self.batches.clear()
+        self.all.clear()
+
+    def drain(self, quiet_s: float = 0.5) -> list[tuple[int, list]]:
+        """Read until nothing arrives for ``quiet_s``."""
+        while self.sub.poll(int(quiet_s * 1000)):
+            topic, seq, payload = self.sub.recv_multipart()
+            assert topic == b"" and len(seq) == 8
+            batch = msgpack.unpackb(payload, raw=False)
+            assert isinstance(batch, list) and len(batch) == 3, batch
+            ts, events, rank = batch
+            assert isinstance(ts, float) and abs(ts - time.time()) < 60 and rank == 0
+            assert events and all(isinstance(e, dict) for e in events)
+            self.batches.append((int.from_bytes(seq, "big"), events))
+            self.all.append(self.batches[-1])
+        return self.batches
+
+    def events(self, everything: bool = False) -> list[dict]:
+        return [e for _, evs in (self.all if everything else self.batches) for e in evs]
+
+    def close(self) -> None:
+        self.sub.close(linger=0)
+        self.ctx.term()
+
+
+def generate(engine: Engine, prompt: list[int]) -> list[int]:
+    base = engine.prepare(
+        ChatRequest(
+            messages=[Message("user", "x")],
+            max_tokens=MAX_TOKENS,
+            sampling=SamplingParams(temperature=0.0),
+        )
+    )
+    s = engine.submit(dataclasses.replace(base, prompt_ids=prompt))
+    done = list(s.iter_sync(timeout=TIMEOUT))[-1]
+    assert isinstance(done, Done), done
+    return prompt + s.output_ids
+
+
+def disk_hashes(lm, tokens: list[int]) -> list[int]:
+    """The chain hashes the disk tier keys these tokens' full blocks by."""
+    cache = PrefixCache(BlockPool(num_blocks=2, block_size=BS), seed=stable_seed(str(lm.identity)))
+    h = cache.hash_blocks(tokens[: len(tokens) // BS * BS], salt=f"{lm.identity}\x00")
+    return [int(x) for x in h]
+
+
+def wire(h: int) -> bytes:
+    return h.to_bytes(16, "big")
+
+
+def replay(events: list[dict]) -> set[bytes]:
+    cached: set[bytes] = set()
+    for e in events:
+        if e["type"] == "BlockStored":
+            cached.update(e["block_hashes"])
+        elif e["type"] == "BlockRemoved":
+            assert set(e["block_hashes"]) <= cached, "removed a block never stored"
+            cached.difference_update(e["block_hashes"])
+        else:
+            assert e == {"type": "AllBlocksCleared"}
+            cached.clear()
+    return cached
+
+
+def engine_cached(engine: Engine) -> set[bytes]:
+    c = engine._cache
+    return {
+        wire(h) for b in range(1, engine._pool.num_blocks) if (h := c.block_hash(b)) is not None
+    }
+
+
+def test_stored_chain_shared_prefix_evictions_and_clear(lm):
+    rng = np.random.default_rng(0)
+    system = [int(x) for x in rng.integers(3, 300, size=3 * BS)]
+    a = system + [int(x) for x in rng.integers(3, 300, size=20)]
+    b = system + [int(x) for x in rng.integers(3, 300, size=21)]
+    other = [int(x) for x in rng.integers(3, 300, size=5 * BS + 3)]
+    pub = KVEventPublisher(free_endpoint())
+    w = Wire(pub)
+    try:
+        # 10 usable blocks: the third prompt must evict the first two's blocks.
+        engine = Engine(lm, num_blocks=11, block_size=BS, max_batch=1, kv_events=pub)
+        try:
+            w.drain()
+            assert w.events() == [{"type": "AllBlocksCleared"}]  # a fresh engine says so
+            w.batches.clear()
+
+            seq_a = generate(engine, a)
+            wait_idle(engine)
+            evs = [e for e in w.drain() for e in e[1]]
+            stored = [e for e in evs if e["type"] == "BlockStored"]
+            assert stored and not [e for e in evs if e["type"] != "BlockStored"]
+            # One chain: each event's parent is the last block of the one before.
+            full = (len(seq_a) - 1) // BS  # the last sampled token is never computed
+            want = disk_hashes(lm, seq_a[: full * BS])
+            got = [h for e in stored for h in e["block_hashes"]]
+            assert got == [wire(h) for h in want]
+            parent = None
+            for e in stored:
+                assert set(e) == {
+                    "type", "block_hashes", "parent_block_hash", "token_ids",
+                    "block_size", "lora_id", "medium", "lora_name",
+                }  # fmt: skip
+                assert e["parent_block_hash"] == parent and e["block_size"] == BS
+                assert e["medium"] == "GPU" and e["lora_id"] is None
+                n = len(e["block_hashes"])
+                i = got.index(e["block_hashes"][0])
+                assert e["token_ids"] == seq_a[i * BS : (i + n) * BS]
+                parent = e["block_hashes"][-1]
+
+            w.batches.clear()
+            seq_b = generate(engine, b)
+            wait_idle(engine)
+            stored_b = [e for e in w.drain() for e in e[1] if e["type"] == "BlockStored"]
+            hb = disk_hashes(lm, seq_b)
+            # The shared system blocks were a hit: only b's own blocks are new.
+            assert stored_b[0]["parent_block_hash"] == wire(hb[2])
+            new_b = [h for e in stored_b for h in e["block_hashes"]]
+            assert new_b == [wire(h) for h in hb[3 : (len(seq_b) - 1) // BS]]
+            assert not {wire(h) for h in hb[:3]} & set(new_b)
+
+            w.batches.clear()
+            generate(engine, other)
+            wait_idle(engine)
+            w.drain()
+            removed = [e for e in w.events() if e["type"] == "BlockRemoved"]
+            assert removed, "a full pool evicted nothing?"
+            assert all(e["medium"] == "GPU" for e in removed)
+            # Replaying everything gives exactly what the engine holds.
+            assert replay(w.events(everything=True)) == engine_cached(engine)
+            seqs = [s for s, _ in w.all]
+            assert seqs == list(range(seqs[0], seqs[0] + len(seqs)))  # none lost
+        finally:
+            engine.close()
+        w.drain()
+        assert w.events()[-1] == {"type": "AllBlocksCleared"}
+        assert 0 < engine.stats().kv_events_batches <= pub.sent  # the sender is async
+    finally:
+        pub.close()
+        w.close()
+
+
+def test_engine_owns_a_socket_named_by_address(lm):
+    endpoint = free_endpoint()
+    engine = Engine(lm, num_blocks=32, block_size=BS, kv_events=endpoint)
+    try:
+        assert engine._events is not None and engine._events.endpoint == endpoint
+        with pytest.raises(KVEventsError, match="cannot bind"):
+            KVEventPublisher(endpoint)  # taken
+        generate(engine, list(range(5, 5 + 2 * BS + 3)))
+    finally:
+        engine.close()
+    pub = KVEventPublisher(endpoint)  # closed with the engine: free again
+    pub.close()
+
+
+def test_a_slow_sender_drops_the_oldest_batches_never_the_engine():
+    pub = KVEventPublisher(free_endpoint(), max_batches=4)
+    w = Wire(pub)
+    packb = pub._packb
+
+    def slow(*a, **k):
+        time.sleep(0.02)
+        return packb(*a, **k)
+
+    pub._packb = slow
+    sent0 = pub.sent
+    try:
+        t0 = time.perf_counter()
+        for i in range(50):
+            pub.removed([i])
+            pub.flush()
+        assert time.perf_counter() - t0 < 0.5  # the engine thread never waited
+        deadline = time.monotonic() + 10
+        while pub.sent - sent0 + pub.dropped < 50 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        w.drain()
+        assert pub.dropped >= 40 and pub.sent - sent0 + pub.dropped == 50
+        got = [e["block_hashes"][0] for e in w.events()]
+        assert got[-1] == wire(49)  # the newest is kept
+        assert got == sorted(got)
+    finally:
+        pub.close()
+        w.close()
+
+
+@pytest.mark.parametrize(
+    "bad", ["127.0.0.1:5557", "tcp://:5557", "tcp://h:0", "tcp://h:x", "ipc://"]
+)
+def test_malformed_endpoints_are_refused(bad):
+    with pytest.raises(KVEventsError, match="tcp://HOST:PORT"):
+        check_endpoint(bad)
