@@ -111,6 +111,16 @@ def at_most(maximum: int, parse: Callable[[str], int]) -> Callable[[str], int]:
     return bounded
 
 
+def zmq_endpoint(text: str) -> str:
+    """A ZMQ bind address for ``--kv-events`` (tcp://HOST:PORT or ipc://PATH)."""
+    from mlx_cairn.engine.kv_events import KVEventsError, check_endpoint
+
+    try:
+        return check_endpoint(text)
+    except KVEventsError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
 def positive(text: str) -> float:
     """A finite number above 0."""
     value = _number(text, float)
@@ -262,6 +272,21 @@ def build(
     if max_body_bytes < 1:
         raise ServeError(f"--max-body-mb {args.max_body_mb:g} allows no body at all")
 
+    kv_events = getattr(args, "kv_events", None)
+    publisher: Any = None
+    if kv_events is not None:
+        if getattr(args, "models_dir", None) or len(args.model or []) > 1:
+            raise ServeError(
+                "--kv-events publishes one model's KV cache (a router's --kv-event-model): "
+                "serve one model with --model"
+            )
+        from mlx_cairn.engine.kv_events import KVEventPublisher, KVEventsError
+
+        try:  # bound now, so a busy port is refused before any model loads
+            publisher = KVEventPublisher(zmq_endpoint(kv_events))
+        except (KVEventsError, argparse.ArgumentTypeError) as e:
+            raise ServeError(f"--kv-events: {e}") from None
+
     draft_source = getattr(args, "draft_model", None)
     drafts: list[Any] = []  # the draft model, loaded once for every model that needs it
     draft_lock = threading.Lock()
@@ -281,6 +306,11 @@ def build(
 
         if getattr(loaded, "kind", None) == "embedding":  # models/embedding.py: no KV pool
             from mlx_cairn.engine.embedding import EmbeddingEngine
+
+            if publisher is not None:
+                log.warning(
+                    "--kv-events: %s is an embedding model: it has no KV cache", loaded.name
+                )
 
             return EmbeddingEngine(loaded, max_queue=args.max_queue)
         if args.context_length is not None:
@@ -308,6 +338,7 @@ def build(
                 kv_bits=kv_bits,
                 kv_group_size=kv_group_size,
                 decode_share=getattr(args, "decode_share", None),
+                kv_events=publisher,
             )
         except ValueError as e:
             from mlx_cairn.engine.paged_quant import KVQuantError
@@ -616,6 +647,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="the most the disk tier's directory may hold, in GiB (default 16)",
     )
     p.add_argument(
+        "--kv-events",
+        type=zmq_endpoint,
+        default=None,
+        metavar="tcp://HOST:PORT",
+        help="publish KV-cache events (vLLM's format: BlockStored / BlockRemoved) on a ZMQ "
+        "PUB socket bound here, for vllm-router --policy kv_aware --kv-event-source "
+        "WORKER_URL=tcp://HOST:PORT (one model only)",
+    )
+    p.add_argument(
         "--speculative",
         choices=SPECULATIVE_MODES,
         default=None,
@@ -799,7 +839,13 @@ def run(args: argparse.Namespace) -> int:
         args.port,
         "token" if config.api_token else "none",
     )
-    _serve(app, registry, args, sockets, config)
+    try:
+        _serve(app, registry, args, sockets, config)
+    finally:
+        if getattr(args, "kv_events", None):
+            from mlx_cairn.engine.kv_events import close_all
+
+            close_all()  # after the engines: their last AllBlocksCleared goes out
     return 0
 
 
