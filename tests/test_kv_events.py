@@ -252,3 +252,108 @@ def test_a_slow_sender_drops_the_oldest_batches_never_the_engine():
 def test_malformed_endpoints_are_refused(bad):
     with pytest.raises(KVEventsError, match="tcp://HOST:PORT"):
         check_endpoint(bad)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_across_ranks_rank_zero_publishes(tmp_path):
+    """``cairn serve --kv-events`` over 2 ranks (MLX_HOSTFILE / MLX_RANK by hand): rank 0
+    owns the scheduler and the socket; a request's blocks arrive as a BlockStored chain
+    with the disk tier's hashes, and stopping rank 0 sends AllBlocksCleared."""
+    import json
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    import httpx
+
+    from live_server import free_port
+    from mlx_cairn.models import load
+    from mlx_cairn.models.export import save_folder
+    from mlx_cairn.models.testing import tiny_zoo_model
+
+    loaded = tiny_zoo_model("llama", seed=5)
+    folder = save_folder(loaded, tmp_path / "tiny-llama")
+    ring = free_port()
+    while True:  # the ring backend takes two consecutive ports
+        with socket.socket() as s1, socket.socket() as s2:
+            try:
+                s1.bind(("127.0.0.1", ring))
+                s2.bind(("127.0.0.1", ring + 1))
+                break
+            except OSError:
+                ring = free_port()
+    hostfile = tmp_path / "hosts.json"
+    hostfile.write_text(json.dumps([[f"127.0.0.1:{ring}"], [f"127.0.0.1:{ring + 1}"]]))
+    port, endpoint = free_port(), free_endpoint()
+    env = {k: v for k, v in os.environ.items() if k not in ("CAIRN_API_KEY", "MLX_RANK")}
+    procs = []
+    for rank in (0, 1):
+        cmd = [
+            sys.executable, "-m", "mlx_cairn.cli", "serve", "--host", "127.0.0.1",
+            "--port", str(port), "--model", str(folder), "--kv-events", endpoint,
+            "--rank-timeout", "30", "--log-level", "warning",
+        ]  # fmt: skip
+        rank_env = {**env, "MLX_HOSTFILE": str(hostfile), "MLX_RANK": str(rank)}
+        with open(tmp_path / f"rank{rank}.log", "wb") as f:
+            procs.append(
+                subprocess.Popen(
+                    cmd, stdout=f, stderr=subprocess.STDOUT, env=rank_env, start_new_session=True
+                )
+            )
+    ctx = zmq.Context()
+    sub = ctx.socket(zmq.SUB)
+    sub.setsockopt(zmq.SUBSCRIBE, b"")
+    sub.connect(endpoint)  # before rank 0 binds: it joins as soon as the socket is up
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 90
+        while True:
+            assert procs[0].poll() is None, (tmp_path / "rank0.log").read_text()
+            try:
+                if httpx.get(url + "/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert time.monotonic() < deadline, "the ranks did not start"
+            time.sleep(0.2)
+        time.sleep(0.5)  # the subscription reaches the PUB socket
+        body = {"model": "tiny-llama", "max_tokens": 4, "temperature": 0}
+        body["messages"] = [{"role": "user", "content": "Tell me about the ranks. " * 8}]
+        r = httpx.post(url + "/v1/chat/completions", json=body, timeout=60)
+        assert r.status_code == 200, r.text
+        rendered = httpx.post(url + "/v1/chat/completions/render", json=body, timeout=60)
+        prompt = rendered.json()["token_ids"]
+        events: list[dict] = []
+        seqs: list[int] = []
+        while sub.poll(1000):
+            _, seq, payload = sub.recv_multipart()
+            seqs.append(int.from_bytes(seq, "big"))
+            events += msgpack.unpackb(payload)[1]
+        stored = [e for e in events if e["type"] == "BlockStored"]
+        tokens_of = {}  # block hash -> its tokens
+        for e in stored:
+            k = len(e["block_hashes"])
+            assert len(e["token_ids"]) == k * BS
+            for i, h in enumerate(e["block_hashes"]):
+                tokens_of[h] = e["token_ids"][i * BS : (i + 1) * BS]
+        n = len(prompt) // BS
+        served = load(str(folder))  # its identity seeds the hashes (and salts them)
+        want = [wire(h) for h in disk_hashes(served, prompt)[:n]]
+        assert n >= 3, prompt
+        for i, h in enumerate(want):
+            assert tokens_of.get(h) == prompt[i * BS : (i + 1) * BS], (i, seqs, events)
+        procs[0].send_signal(signal.SIGTERM)
+        assert procs[0].wait(60) == 0
+        tail: list[dict] = []
+        while sub.poll(1000):
+            tail += msgpack.unpackb(sub.recv_multipart()[2])[1]
+        assert tail and tail[-1] == {"type": "AllBlocksCleared"}
+    finally:
+        sub.close(linger=0)
+        ctx.term()
+        for p in procs:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+            p.wait(10)
