@@ -357,3 +357,22 @@ def test_across_ranks_rank_zero_publishes(tmp_path):
             if p.poll() is None:
                 os.killpg(p.pid, signal.SIGKILL)
             p.wait(10)
+
+
+def test_serve_refuses_what_cannot_publish(tmp_path, capsys):
+    """Exit 2, one line naming the flag, before any model loads."""
+    from mlx_cairn.cli import main
+
+    ep = free_endpoint()
+    two = ["--model", str(tmp_path / "a"), "--model", str(tmp_path / "b")]
+    assert main(["serve", *two, "--kv-events", ep]) == 2
+    assert "--kv-events publishes one model's KV cache" in capsys.readouterr().err
+    busy = KVEventPublisher(ep)
+    try:
+        assert main(["serve", "--model", str(tmp_path / "a"), "--kv-events", ep]) == 2
+        assert f"--kv-events: cannot bind {ep}" in capsys.readouterr().err
+    finally:
+        busy.close()
+    with pytest.raises(SystemExit) as e:
+        main(["serve", "--kv-events", "localhost:5557"])
+    assert e.value.code == 2 and "tcp://HOST:PORT" in capsys.readouterr().err
