@@ -10,6 +10,8 @@ how many the replicas took from their prefix cache. Under ``cache_aware``
 (vllm-router routes on the ids of our ``/v1/chat/completions/render``,
 sglang-router on the request text) nearly all of them hit; round-robin sends
 about half the turns to the replica that has not seen the session's last turn.
+The same sessions as Claude Code sends them (``/v1/messages``, an ``x-session-id``
+header each) stay on their replica under vllm-router's ``consistent_hash``.
 
 Then one replica is killed between turns 2 and 3 (nothing in flight): with
 ``--cb-failure-threshold 1`` each router fails a request over to the live
@@ -31,6 +33,7 @@ from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from typing import Any
 
+import anthropic
 import httpx
 import openai
 import pytest
@@ -124,48 +127,71 @@ class Sessions:
             f"{i * 7 + k}, and why does it matter for the team? Here is the log I got: {log}"
         )
 
-    def turn(self, url: str, k: int) -> dict[int, str]:
+    def turn(self, url: str, k: int, anthropic_headers: bool = False) -> dict[int, str]:
         """Turn ``k`` of every session at once, started in a shuffled order; the
-        sessions whose request failed (not retried) with their errors."""
-        client = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0, timeout=120)
+        sessions whose request failed (not retried) with their errors.
+
+        ``anthropic_headers``: through the ``anthropic`` SDK (``/v1/messages``),
+        each session sending its own ``x-session-id`` header as Claude Code does
+        with ``ANTHROPIC_CUSTOM_HEADERS``; else through the ``openai`` SDK."""
         errors: dict[int, str] = {}
+        ask = self._anthropic if anthropic_headers else self._openai
 
         def one(i: int) -> None:
             msgs = [*self.history[i], {"role": "user", "content": self.user(i, k)}]
             try:
-                r = client.chat.completions.create(
-                    model="m", messages=msgs, max_tokens=8, temperature=0
-                )
-            except openai.APIError as e:
+                answer = ask(url, i, msgs)
+            except Exception as e:  # every failure is a lost turn (a thread would hide it)
                 errors[i] = repr(e)
                 return
-            self.history[i] = [
-                *msgs,
-                {"role": "assistant", "content": r.choices[0].message.content},
-            ]
+            self.history[i] = [*msgs, {"role": "assistant", "content": answer}]
 
         order = list(range(SESSIONS))
         random.Random(k).shuffle(order)
         threads = [threading.Thread(target=one, args=(i,)) for i in order]
-        with client:
-            for t in threads:
-                t.start()
-                time.sleep(0.02)  # arrivals in that order
-            for t in threads:
-                t.join(120)
+        for t in threads:
+            t.start()
+            time.sleep(0.02)  # arrivals in that order
+        for t in threads:
+            t.join(120)
         return errors
 
-    def resent(self, replica: str) -> int:
+    @staticmethod
+    def _openai(url: str, i: int, msgs: list[dict[str, Any]]) -> str:
+        with openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0, timeout=120) as c:
+            r = c.chat.completions.create(model="m", messages=msgs, max_tokens=8, temperature=0)
+        return str(r.choices[0].message.content)
+
+    @staticmethod
+    def _anthropic(url: str, i: int, msgs: list[dict[str, Any]]) -> str:
+        headers = {"x-session-id": f"session-{i}"}
+        with anthropic.Anthropic(
+            base_url=url, api_key="x", max_retries=0, timeout=120, default_headers=headers
+        ) as c:
+            r = c.messages.create(
+                model="m",
+                system=msgs[0]["content"],
+                messages=msgs[1:],
+                max_tokens=8,
+                extra_body={"temperature": 0},
+            )
+        return "".join(b.text for b in r.content if b.type == "text")
+
+    def resent(self, replica: str, anthropic_route: bool = False) -> int:
         """Prompt tokens turns 2..TURNS re-send: each one's previous prompt, rendered
         by a replica as the engine prefills it."""
         n = 0
         for h in self.history:
             for k in range(1, TURNS):
-                body = {
-                    "model": "m",
-                    "messages": h[: 2 * k],
-                }  # system, then k-1 exchanges + a user turn
-                r = httpx.post(replica + "/v1/chat/completions/render", json=body, timeout=30)
+                msgs = h[: 2 * k]  # system, then k-1 exchanges and a user turn
+                if anthropic_route:
+                    path = "/v1/messages/render"
+                    body = {"model": "m", "max_tokens": 8, "system": msgs[0]["content"]}
+                    body["messages"] = msgs[1:]
+                else:
+                    path, body = "/v1/chat/completions/render", {"model": "m", "messages": msgs}
+                r = httpx.post(replica + path, json=body, timeout=30)
+                assert r.status_code == 200, (r.text, body)
                 n += len(r.json()["token_ids"])
         return n
 
@@ -182,23 +208,25 @@ def shared(folder: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[l
         yield [url for url, _ in reps]
 
 
-def hit_rate(kind: str, policy: str, urls: list[str], tmp: Path) -> tuple[float, list[int]]:
+def hit_rate(
+    kind: str, policy: str, urls: list[str], tmp: Path, anthropic_route: bool = False
+) -> tuple[float, list[int]]:
     """Run the sessions through ``kind``'s router with ``policy``: the share of re-sent
     prompt tokens the replicas took from their cache, and the requests each served."""
-    tag = f"{kind}-{policy}"
+    tag = f"{kind}-{policy}" + ("-messages" if anthropic_route else "")
     sessions = Sessions(tag)
     with router(kind, policy, urls, tmp / f"{tag}.log") as url:
-        errors = sessions.turn(url, 1)
+        errors = sessions.turn(url, 1, anthropic_route)
         assert not errors, errors
         before = [counters(u) for u in urls]
         for k in range(2, TURNS + 1):
-            errors = sessions.turn(url, k)
+            errors = sessions.turn(url, k, anthropic_route)
             assert not errors, errors
         after = [counters(u) for u in urls]
     hits = sum(
         a["prefix_hit_tokens"] - b["prefix_hit_tokens"] for a, b in zip(after, before, strict=True)
     )
-    resent = sessions.resent(urls[0])
+    resent = sessions.resent(urls[0], anthropic_route)
     served = [a["requests_total"] - b["requests_total"] for a, b in zip(after, before, strict=True)]
     assert sum(served) == SESSIONS * (TURNS - 1)
     rate = hits / resent
@@ -215,6 +243,16 @@ def test_cache_aware_routing_keeps_sessions_on_their_cache(
     assert min(served) >= TURNS - 1, served  # both replicas carry sessions
     blind, _ = hit_rate(kind, "round_robin", shared, tmp_path)
     assert blind <= 0.85 and aware - blind >= 0.1, (aware, blind)
+
+
+def test_claude_code_sessions_stay_on_their_replica_by_header(
+    shared: list[str], tmp_path: Path
+) -> None:
+    """/v1/messages: no router steers it by prefix, but vllm-router's consistent_hash
+    keys on ``x-session-id``, which Claude Code sends from ANTHROPIC_CUSTOM_HEADERS."""
+    rate, served = hit_rate("vllm", "consistent_hash", shared, tmp_path, anthropic_route=True)
+    assert rate >= 0.90
+    assert min(served) >= TURNS - 1, served
 
 
 @pytest.mark.parametrize("kind", ["vllm", "sglang"])
