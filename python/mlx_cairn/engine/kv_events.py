@@ -124,7 +124,8 @@ class KVEventPublisher:
             import zmq
         except ImportError as e:
             raise KVEventsError(
-                f"KV events need pyzmq and msgpack ({e.name} is missing): pip install pyzmq msgpack"
+                f"KV events need pyzmq and msgpack ({e.name} is missing): "
+                "pip install 'mlx-cairn[kv-events]'"
             ) from None
         self.endpoint = endpoint
         self.topic = topic
