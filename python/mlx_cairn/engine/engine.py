@@ -859,8 +859,7 @@ class Engine:
             self._pool = BlockPool(num_blocks=p.num_blocks, block_size=p.block_size)
             self._cache = PrefixCache(self._pool, seed=self._seed)
             self._scheduler.pool, self._scheduler.cache = self._pool, self._cache
-            if self._events is not None:
-                self._events.cleared()
+            self._scheduler.events_cleared()
             if (st := self._scheduler.states) is not None:
                 self._scheduler.states = StateSlots(
                     st.num_slots,

@@ -270,6 +270,10 @@ class Scheduler:
         #: KV-cache events for a router (engine/kv_events.py), or None: blocks that
         #: join the cache and cached blocks evicted are reported to it.
         self.events: Any = None
+        #: With events: the cached blocks reported stored (block id -> hash). A cached
+        #: block leaves the cache only when ``allocate`` hands it out again, so the
+        #: ids it returns tell the evictions without reading the free list.
+        self._stored_ids: dict[int, int] = {}
         self.block_size: int = pool.block_size
         self.max_batch = max_batch
         self.step_token_budget = step_token_budget
@@ -648,19 +652,25 @@ class Scheduler:
 
     def _allocate(self, n: int) -> list[int] | None:
         """``pool.allocate(n)``; with a disk tier, the cached blocks it is about to evict
-        (the head of the free list) are handed to ``on_evict`` first, and with KV
-        events their hashes are reported removed."""
-        if (
-            self.on_evict is not None or self.events is not None
-        ) and 0 < n <= self.pool.num_free_blocks:
+        (the head of the free list) are handed to ``on_evict`` first; with KV events,
+        the hashes of the cached blocks it handed out are reported removed."""
+        if self.on_evict is not None and 0 < n <= self.pool.num_free_blocks:
             head = self.pool.free_list()[:n]
             victims = [(b, h) for b in head if (h := self.cache.block_hash(b)) is not None]
             if victims:
-                if self.on_evict is not None:
-                    self.on_evict(victims)
-                if self.events is not None:
-                    self.events.removed([h for _, h in victims])
-        return self.pool.allocate(n)  # type: ignore[no-any-return]
+                self.on_evict(victims)
+        new: list[int] | None = self.pool.allocate(n)
+        if new is not None and self.events is not None and self._stored_ids:
+            gone = [h for b in new if (h := self._stored_ids.pop(b, None)) is not None]
+            if gone:
+                self.events.removed(gone)
+        return new
+
+    def events_cleared(self) -> None:
+        """The pool and cache were rebuilt empty: report every block gone."""
+        self._stored_ids.clear()
+        if self.events is not None:
+            self.events.cleared()
 
     def _grow(self, seq: Sequence, n: int, plan: _Draft) -> bool:
         """Make ``seq``'s blocks cover ``n`` more tokens, preempting the youngest if needed.
@@ -826,7 +836,8 @@ class Scheduler:
         bs = self.block_size
         run: list[int] = []
         for i in range(first, end + 1):
-            if i < end and self.cache.block_hash(block_ids[i]) == int(hashes[i]):
+            if i < end and self.cache.block_hash(block_ids[i]) == (h := int(hashes[i])):
+                self._stored_ids[block_ids[i]] = h
                 run.append(i)
                 continue
             if run:
