@@ -323,27 +323,29 @@ def test_across_ranks_rank_zero_publishes(tmp_path):
         body["messages"] = [{"role": "user", "content": "Tell me about the ranks. " * 8}]
         r = httpx.post(url + "/v1/chat/completions", json=body, timeout=60)
         assert r.status_code == 200, r.text
-        rendered = httpx.post(url + "/v1/chat/completions/render", json=body, timeout=60)
-        prompt = rendered.json()["token_ids"]
+        usage = r.json()["usage"]
+        n_tokens = usage["prompt_tokens"] + usage["completion_tokens"]
         events: list[dict] = []
         seqs: list[int] = []
         while sub.poll(1000):
             _, seq, payload = sub.recv_multipart()
             seqs.append(int.from_bytes(seq, "big"))
             events += msgpack.unpackb(payload)[1]
+        assert seqs == list(range(len(seqs))), seqs  # from the start, none lost
+        assert events[0] == {"type": "AllBlocksCleared"}  # the engine's start
         stored = [e for e in events if e["type"] == "BlockStored"]
-        tokens_of = {}  # block hash -> its tokens
+        # One chain from the first block: parents link, and the hashes are the
+        # disk tier's for the token ids carried (seeded by the served identity).
+        chain: list[bytes] = []
+        tokens: list[int] = []
         for e in stored:
-            k = len(e["block_hashes"])
-            assert len(e["token_ids"]) == k * BS
-            for i, h in enumerate(e["block_hashes"]):
-                tokens_of[h] = e["token_ids"][i * BS : (i + 1) * BS]
-        n = len(prompt) // BS
-        served = load(str(folder))  # its identity seeds the hashes (and salts them)
-        want = [wire(h) for h in disk_hashes(served, prompt)[:n]]
-        assert n >= 3, prompt
-        for i, h in enumerate(want):
-            assert tokens_of.get(h) == prompt[i * BS : (i + 1) * BS], (i, seqs, events)
+            assert e["parent_block_hash"] == (chain[-1] if chain else None), events
+            assert len(e["token_ids"]) == len(e["block_hashes"]) * BS
+            chain += e["block_hashes"]
+            tokens += e["token_ids"]
+        assert len(chain) == (n_tokens - 1) // BS >= 3  # the last token is never computed
+        served = load(str(folder))
+        assert chain == [wire(h) for h in disk_hashes(served, tokens)]
         procs[0].send_signal(signal.SIGTERM)
         assert procs[0].wait(60) == 0
         tail: list[dict] = []
