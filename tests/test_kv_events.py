@@ -4,7 +4,10 @@ A ZMQ SUB socket decodes what a real engine (tiny random llama) publishes:
 the BlockStored chain of a prompt (parent links, the prompt's token blocks,
 the disk tier's chained hashes), a second prompt sharing the prefix stores
 only its own blocks, BlockRemoved as a small pool evicts, and replaying the
-events gives exactly the set of blocks the engine has cached.
+events gives exactly the set of blocks the engine has cached. Also: a slow
+sender drops the oldest batches without holding the engine up; ``cairn serve
+--kv-events`` over 2 ranks publishes from rank 0; what ``serve`` refuses.
+(2 replicas behind the real vllm-router: tests/test_router_kv_events.py.)
 """
 
 from __future__ import annotations

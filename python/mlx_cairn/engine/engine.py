@@ -343,14 +343,6 @@ class Engine:
         #: opened the socket (and closes it) or was handed one that outlives it.
         self._events: KVEventPublisher | None = None
         self._owns_events = False
-        if isinstance(kv_events, str):
-            self._events, self._owns_events = KVEventPublisher(kv_events), True
-        elif kv_events is not None:
-            self._events = kv_events
-        if self._events is not None:
-            self._scheduler.events = self._events
-            self._events.cleared()  # a router may still hold a previous engine's blocks
-            self._events.flush()
         if self._disk is not None:
             disk = self._disk
             self._scheduler.disk = disk
@@ -407,6 +399,15 @@ class Engine:
         self._inflight: StepOutput | None = None  # launched, not read back yet
         self._step_from = 0.0  # when the step being computed started (Scheduler.step_done)
         self._stalled = False  # the last step could plan nothing: wait for an event
+        # Last: a socket this engine opens is not left bound by a failed start-up.
+        if isinstance(kv_events, str):
+            self._events, self._owns_events = KVEventPublisher(kv_events), True
+        elif kv_events is not None:
+            self._events = kv_events
+        if self._events is not None:
+            self._scheduler.events = self._events
+            self._events.cleared()  # a router may still hold a previous engine's blocks
+            self._events.flush()
         self._stats = EngineStats()
         self._snapshot_stats()
         self._thread = threading.Thread(target=self._loop, name="mlx-cairn-engine", daemon=True)
