@@ -431,6 +431,10 @@ BODIES: dict[tuple[str, str], dict[str, Any]] = {
     ("/v1/messages/count_tokens", "post"): COUNT_TOKENS_BODY,
     ("/v1/chat/completions", "post"): CHAT_BODY,
     ("/v1/completions", "post"): COMPLETIONS_BODY,
+    # The render routes (vLLM's, for routers) take the generation route's body.
+    ("/v1/messages/render", "post"): MESSAGES_BODY,
+    ("/v1/chat/completions/render", "post"): CHAT_BODY,
+    ("/v1/completions/render", "post"): COMPLETIONS_BODY,
     ("/infill", "post"): INFILL_BODY,
     ("/v1/responses", "post"): RESPONSES_BODY,
     ("/v1/embeddings", "post"): EMBEDDINGS_BODY,
