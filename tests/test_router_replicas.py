@@ -242,7 +242,9 @@ def test_cache_aware_routing_keeps_sessions_on_their_cache(
     assert aware >= 0.90
     assert min(served) >= TURNS - 1, served  # both replicas carry sessions
     blind, _ = hit_rate(kind, "round_robin", shared, tmp_path)
-    assert blind <= 0.85 and aware - blind >= 0.1, (aware, blind)
+    # Round-robin's figure depends on the order requests reach the router (68-78%
+    # in runs here); it stays well under cache_aware's.
+    assert aware - blind >= 0.1, (aware, blind)
 
 
 def test_claude_code_sessions_stay_on_their_replica_by_header(
