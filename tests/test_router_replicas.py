@@ -136,11 +136,12 @@ class Sessions:
         with ``ANTHROPIC_CUSTOM_HEADERS``; else through the ``openai`` SDK."""
         errors: dict[int, str] = {}
         ask = self._anthropic if anthropic_headers else self._openai
+        tag = self.tag
 
         def one(i: int) -> None:
             msgs = [*self.history[i], {"role": "user", "content": self.user(i, k)}]
             try:
-                answer = ask(url, i, msgs)
+                answer = ask(url, f"{tag}-{i}", msgs)
             except Exception as e:  # every failure is a lost turn (a thread would hide it)
                 errors[i] = repr(e)
                 return
@@ -157,14 +158,14 @@ class Sessions:
         return errors
 
     @staticmethod
-    def _openai(url: str, i: int, msgs: list[dict[str, Any]]) -> str:
+    def _openai(url: str, session: str, msgs: list[dict[str, Any]]) -> str:
         with openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0, timeout=120) as c:
             r = c.chat.completions.create(model="m", messages=msgs, max_tokens=8, temperature=0)
         return str(r.choices[0].message.content)
 
     @staticmethod
-    def _anthropic(url: str, i: int, msgs: list[dict[str, Any]]) -> str:
-        headers = {"x-session-id": f"session-{i}"}
+    def _anthropic(url: str, session: str, msgs: list[dict[str, Any]]) -> str:
+        headers = {"x-session-id": session}
         with anthropic.Anthropic(
             base_url=url, api_key="x", max_retries=0, timeout=120, default_headers=headers
         ) as c:
@@ -209,11 +210,16 @@ def shared(folder: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[l
 
 
 def hit_rate(
-    kind: str, policy: str, urls: list[str], tmp: Path, anthropic_route: bool = False
+    kind: str,
+    policy: str,
+    urls: list[str],
+    tmp: Path,
+    anthropic_route: bool = False,
+    attempt: int = 0,
 ) -> tuple[float, list[int]]:
     """Run the sessions through ``kind``'s router with ``policy``: the share of re-sent
     prompt tokens the replicas took from their cache, and the requests each served."""
-    tag = f"{kind}-{policy}" + ("-messages" if anthropic_route else "")
+    tag = f"{kind}-{policy}" + ("-messages" if anthropic_route else "") + f"-{attempt}"
     sessions = Sessions(tag)
     with router(kind, policy, urls, tmp / f"{tag}.log") as url:
         errors = sessions.turn(url, 1, anthropic_route)
@@ -252,8 +258,15 @@ def test_claude_code_sessions_stay_on_their_replica_by_header(
 ) -> None:
     """/v1/messages: no router steers it by prefix, but vllm-router's consistent_hash
     keys on ``x-session-id``, which Claude Code sends from ANTHROPIC_CUSTOM_HEADERS."""
-    rate, served = hit_rate("vllm", "consistent_hash", shared, tmp_path, anthropic_route=True)
-    assert rate >= 0.90
+    for attempt in range(3):
+        rate, served = hit_rate(
+            "vllm", "consistent_hash", shared, tmp_path, anthropic_route=True, attempt=attempt
+        )
+        assert rate >= 0.90
+        # A hash may put all 8 session ids on one replica (~1 run in 128); other
+        # ids then. A router that ignored the header would do it every time.
+        if min(served) > 0:
+            break
     assert min(served) >= TURNS - 1, served
 
 
