@@ -381,3 +381,53 @@ def test_serve_refuses_what_cannot_publish(tmp_path, capsys):
     with pytest.raises(SystemExit) as e:
         main(["serve", "--kv-events", "localhost:5557"])
     assert e.value.code == 2 and "tcp://HOST:PORT" in capsys.readouterr().err
+
+
+def test_rebuilt_pools_clear_the_routers_view(lm, monkeypatch):
+    """Pools that cannot be evaluated are rebuilt empty (Engine._recover_pools): the
+    events say AllBlocksCleared, and what follows is again what the engine holds."""
+    import mlx_cairn.engine.engine as engine_mod
+
+    rng = np.random.default_rng(5)
+    prompt = [int(x) for x in rng.integers(3, 300, size=3 * BS + 5)]
+    pub = KVEventPublisher(free_endpoint())
+    w = Wire(pub)
+    engine = Engine(lm, num_blocks=32, block_size=BS, kv_events=pub)
+    try:
+        generate(engine, prompt)
+        wait_idle(engine)
+        w.drain()
+        assert replay(w.events(everything=True)) == engine_cached(engine) != set()
+
+        real_eval, calls = engine_mod.mx.eval, []
+
+        def broken(*a, **k):  # the first evaluation fails, as a broken graph would
+            calls.append(1)
+            if len(calls) == 1:
+                raise RuntimeError("a broken pool graph")
+            return real_eval(*a, **k)
+
+        def rebuild() -> None:  # on the engine thread, before the next step's forward pass
+            engine._fault_hook = None
+            with monkeypatch.context() as m:
+                m.setattr(engine_mod.mx, "eval", broken)
+                engine._recover_pools()
+
+        engine._fault_hook = rebuild
+        base = engine.prepare(
+            ChatRequest(messages=[Message("user", "x")], max_tokens=2, sampling=SamplingParams(0.0))
+        )
+        s = engine.submit(dataclasses.replace(base, prompt_ids=prompt[:20]))
+        list(s.iter_sync(timeout=TIMEOUT))  # ended by the reset
+        wait_idle(engine)
+        w.drain()
+        assert {"type": "AllBlocksCleared"} in w.events()
+        assert engine_cached(engine) == set() == replay(w.events(everything=True))
+        generate(engine, prompt)
+        wait_idle(engine)
+        w.drain()
+        assert replay(w.events(everything=True)) == engine_cached(engine) != set()
+    finally:
+        engine.close()
+        pub.close()
+        w.close()
