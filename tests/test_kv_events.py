@@ -431,3 +431,31 @@ def test_rebuilt_pools_clear_the_routers_view(lm, monkeypatch):
         engine.close()
         pub.close()
         w.close()
+
+
+def test_blocks_read_back_from_the_disk_tier_are_stored_again(lm, tmp_path):
+    """With a disk tier, blocks evicted (BlockRemoved) and later read back for a prefix
+    hit join the cache again (BlockStored): the events still match the cache."""
+    rng = np.random.default_rng(6)
+    prefixes = [[int(x) for x in rng.integers(3, 300, size=3 * BS)] for _ in range(6)]
+    pub = KVEventPublisher(free_endpoint())
+    w = Wire(pub)
+    engine = Engine(
+        lm, num_blocks=12, block_size=BS, kv_events=pub, kv_disk_dir=tmp_path, kv_disk_gb=0.1
+    )
+    try:
+        for _ in range(2):
+            for p in prefixes:
+                generate(engine, p + [int(x) for x in rng.integers(3, 300, size=3)])
+            engine._disk.drain()
+        st = wait_idle(engine)
+        w.drain()
+        assert st.disk_hit_blocks > 0, "nothing was read back from disk"
+        assert replay(w.events(everything=True)) == engine_cached(engine) != set()
+        stored = [h for e in w.events(everything=True) if e["type"] == "BlockStored"
+                  for h in e["block_hashes"]]  # fmt: skip
+        assert len(stored) > len(set(stored))  # some blocks joined twice (evicted, read back)
+    finally:
+        engine.close()
+        pub.close()
+        w.close()
