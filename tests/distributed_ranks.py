@@ -1,12 +1,15 @@
 """One run of several ranks (under ``mlx.launch``) that serves each model in turn.
 
 Rank 0 serves each folder over HTTP (``cairn serve``'s own ``build`` with its
-flags), runs :func:`workload` on it through the official OpenAI SDK and writes
-what it got to ``--out``; the other ranks follow each model's steps until rank 0
+flags), runs :func:`workload` on it through the official OpenAI SDK (with
+``--preempt``, that folder once more in a tiny pool, :func:`preempt_workload`),
+checks its engine is at rest and writes what it got (and ``/health``'s figures)
+to ``--out``; the other ranks follow each model's steps until rank 0
 closes its engine. The test (test_distributed.py) runs the same workload on a
 single-process server and compares.
 
-    mlx.launch --backend ring -n 2 --python PY tests/distributed_ranks.py --out F DIR...
+    mlx.launch --backend ring -n 2 --python PY tests/distributed_ranks.py --out F \
+        [--preempt DIR] DIR...
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ import json
 import logging
 import sys
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +35,12 @@ SYSTEM = (
 )
 QUESTIONS = ["What is the capital of France?", "Hello world!", "def add(x, y):", "How are you?"]
 MAX_TOKENS = 10
+#: Tokens the request beside a cancelled stream generates (it runs on past the cancel).
+BESIDE_TOKENS = 16
+#: Usable KV blocks (16 tokens) of the pool :func:`preempt_workload` runs in: fewer
+#: than its 4 requests need at once (3 blocks each), more than one needs alone.
+TINY_POOL_BLOCKS = 6
+PREEMPT_TOKENS = 24
 
 
 def workload(url: str, model: str) -> dict[str, Any]:
@@ -86,6 +96,7 @@ def workload(url: str, model: str) -> dict[str, Any]:
         )
         streamed = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
         plain.join()
+        beside, cancelled_chunks, outlived = cancel_beside(client, model)
         for _ in range(2):
             got: list[Any] = [None] * len(QUESTIONS)
             threads = [threading.Thread(target=one, args=(i, got)) for i in range(len(QUESTIONS))]
@@ -101,32 +112,127 @@ def workload(url: str, model: str) -> dict[str, Any]:
         "cached": [[g[1] for g in r] for r in rounds],
         "constrained": constrained,
         "streamed": streamed,
+        "beside_cancelled": beside,
+        "cancelled_chunks": cancelled_chunks,
+        "beside_outlived_cancel": outlived,
     }
 
 
-def serve_args(folder: str, timeout: float) -> argparse.Namespace:
+def cancel_beside(client: Any, model: str) -> tuple[str | None, int, bool]:
+    """A streamed request the client closes after a few chunks, while a plain request
+    runs beside it; returns the plain one's answer, the chunks read before closing,
+    and whether the plain one was still running then."""
+    other: list[Any] = [None, 0.0]
+
+    def plain() -> None:
+        r = client.chat.completions.create(
+            model=model,
+            messages=[{"role": "user", "content": QUESTIONS[2]}],
+            max_tokens=BESIDE_TOKENS,
+            temperature=0,
+        )
+        other[:] = [r.choices[0].message.content, time.monotonic()]
+
+    t = threading.Thread(target=plain)
+    t.start()
+    stream = client.chat.completions.create(
+        model=model,
+        messages=[{"role": "user", "content": QUESTIONS[3]}],
+        max_tokens=500,
+        temperature=0,
+        stream=True,
+    )
+    seen = 0
+    for c in stream:
+        seen += bool(c.choices and c.choices[0].delta.content)
+        if seen >= 2:
+            break
+    stream.close()  # the server notices the closed connection and cancels
+    closed = time.monotonic()
+    t.join()
+    return other[0], seen, other[1] > closed
+
+
+def preempt_workload(url: str, model: str) -> list[str | None]:
+    """4 requests with no prefix in common, sent at once, greedy: in a pool of
+    :data:`TINY_POOL_BLOCKS` blocks they preempt each other."""
+    import openai
+
+    client = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0, timeout=120)
+    got: list[str | None] = [None] * len(QUESTIONS)
+
+    def one(i: int) -> None:
+        r = client.chat.completions.create(
+            model=model,
+            messages=[{"role": "user", "content": QUESTIONS[i]}],
+            max_tokens=PREEMPT_TOKENS,
+            temperature=0,
+        )
+        got[i] = r.choices[0].message.content
+
+    try:
+        threads = [threading.Thread(target=one, args=(i,)) for i in range(len(QUESTIONS))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    finally:
+        client.close()
+    return got
+
+
+def serve_args(folder: str, timeout: float, *extra: str) -> argparse.Namespace:
     from mlx_cairn.api import server
 
     parser = argparse.ArgumentParser()
     server.add_arguments(parser)
-    return parser.parse_args(["--model", folder, "--rank-timeout", str(timeout)])
+    return parser.parse_args(["--model", folder, "--rank-timeout", str(timeout), *extra])
+
+
+def at_rest(engine: Any) -> str | None:
+    """Why rank 0's engine is not at rest (a block or state slot still held), or None."""
+    from mlx_cairn.engine.testing import assert_at_rest
+
+    try:
+        assert_at_rest(engine)
+    except AssertionError as e:
+        return str(e) or "not at rest"
+    return None
 
 
 def main() -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--out", required=True)
     p.add_argument("--timeout", type=float, default=30.0)
+    p.add_argument(
+        "--preempt",
+        metavar="FOLDER",
+        help="last, serve FOLDER (one of the folders) again in a pool of TINY_POOL_BLOCKS "
+        "blocks and run preempt_workload on it",
+    )
     p.add_argument("folders", nargs="+")
     opts = p.parse_args()
     logging.basicConfig(level="WARNING")
+    import httpx
+
     from mlx_cairn.api import server
     from mlx_cairn.engine import distributed
 
     group = distributed.group_from_env()
     assert group is not None, "run under mlx.launch with 2 or more ranks"
     results: dict[str, Any] = {}
-    for folder in opts.folders:
-        args = serve_args(folder, opts.timeout)
+    #: Bytes of one KV block of rank 0's shard, per folder (to size the tiny pool).
+    per_block: dict[str, float] = {}
+    runs = [(folder, False) for folder in opts.folders]
+    if opts.preempt:
+        runs.append((opts.preempt, True))
+    for folder, tiny in runs:
+        extra: list[str] = []
+        if tiny and group.rank() == 0:
+            # + the null block (block 0)
+            gib = (TINY_POOL_BLOCKS + 1.5) * per_block[folder] / 2**30
+            extra = ["--kv-cache-gb", repr(gib)]
+        args = serve_args(folder, opts.timeout, *extra)
         assert not distributed.startup_problems(args)
         if group.rank() > 0:
             if distributed.serve_follower(args, group) != 0:
@@ -138,11 +244,20 @@ def main() -> int:
         name = registry.models[0].name
         registry.preload([name])
         assert registry.models[0].state == "loaded", registry.models[0].error
+        engine = registry.models[0].engine
         try:
             with serve(registry, config) as srv:
-                results[name] = workload(srv.url, name)
-                stats = registry.models[0].engine.stats()
-                results[name]["prefix_hit_tokens"] = stats.prefix_hit_tokens
+                if tiny:
+                    assert engine.stats().blocks_total == TINY_POOL_BLOCKS, engine.stats()
+                    texts = preempt_workload(srv.url, name)
+                    got = results[f"{name} (preempted)"] = {"texts": texts}
+                else:
+                    got = results[name] = workload(srv.url, name)
+                got["at_rest"] = at_rest(engine)
+                health = httpx.get(srv.url + "/health", timeout=10).json()
+                got["stats"] = health["models"][0]["stats"]
+                st = engine.stats()
+                per_block[folder] = st.kv_cache_bytes / (st.blocks_total + 1)
         finally:
             registry.close()  # the engine says STOP: the other ranks move on
     if group.rank() == 0:
