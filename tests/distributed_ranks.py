@@ -2,24 +2,26 @@
 
 Rank 0 serves each folder over HTTP (``cairn serve``'s own ``build`` with its
 flags), runs :func:`workload` on it through the official OpenAI SDK (with
-``--preempt``, that folder once more in a tiny pool, :func:`preempt_workload`),
+``--preempt``, that folder once more in a tiny pool: :func:`preempt_workload`),
 checks its engine is at rest and writes what it got (and ``/health``'s figures)
 to ``--out``; the other ranks follow each model's steps until rank 0
 closes its engine. The test (test_distributed.py) runs the same workload on a
 single-process server and compares.
 
     mlx.launch --backend ring -n 2 --python PY tests/distributed_ranks.py --out F \
-        [--preempt DIR] DIR...
+        [--preempt DIR]... DIR...
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -181,12 +183,33 @@ def preempt_workload(url: str, model: str) -> list[str | None]:
     return got
 
 
-def serve_args(folder: str, timeout: float, *extra: str) -> argparse.Namespace:
+def serve_args(folder: str, timeout: float) -> argparse.Namespace:
     from mlx_cairn.api import server
 
     parser = argparse.ArgumentParser()
     server.add_arguments(parser)
-    return parser.parse_args(["--model", folder, "--rank-timeout", str(timeout), *extra])
+    return parser.parse_args(["--model", folder, "--rank-timeout", str(timeout)])
+
+
+@contextlib.contextmanager
+def tiny_pool(distributed: Any) -> Iterator[None]:
+    """Engines rank 0 builds meanwhile get a pool of :data:`TINY_POOL_BLOCKS` usable
+    blocks (the other ranks size theirs from rank 0's)."""
+    base = distributed.distributed_engine_class
+
+    def tiny() -> type:
+        class TinyPool(base()):  # type: ignore[misc]
+            def __init__(self, *args: Any, **kwargs: Any) -> None:
+                kwargs.update(kv_cache_gb=None, num_blocks=TINY_POOL_BLOCKS + 1)
+                super().__init__(*args, **kwargs)
+
+        return TinyPool
+
+    distributed.distributed_engine_class = tiny
+    try:
+        yield
+    finally:
+        distributed.distributed_engine_class = base
 
 
 def at_rest(engine: Any) -> str | None:
@@ -206,9 +229,11 @@ def main() -> int:
     p.add_argument("--timeout", type=float, default=30.0)
     p.add_argument(
         "--preempt",
+        action="append",
+        default=[],
         metavar="FOLDER",
-        help="last, serve FOLDER (one of the folders) again in a pool of TINY_POOL_BLOCKS "
-        "blocks and run preempt_workload on it",
+        help="last, serve FOLDER again in a pool of TINY_POOL_BLOCKS blocks and run "
+        "preempt_workload on it (repeatable)",
     )
     p.add_argument("folders", nargs="+")
     opts = p.parse_args()
@@ -221,18 +246,10 @@ def main() -> int:
     group = distributed.group_from_env()
     assert group is not None, "run under mlx.launch with 2 or more ranks"
     results: dict[str, Any] = {}
-    #: Bytes of one KV block of rank 0's shard, per folder (to size the tiny pool).
-    per_block: dict[str, float] = {}
     runs = [(folder, False) for folder in opts.folders]
-    if opts.preempt:
-        runs.append((opts.preempt, True))
+    runs += [(folder, True) for folder in opts.preempt]
     for folder, tiny in runs:
-        extra: list[str] = []
-        if tiny and group.rank() == 0:
-            # + the null block (block 0)
-            gib = (TINY_POOL_BLOCKS + 1.5) * per_block[folder] / 2**30
-            extra = ["--kv-cache-gb", repr(gib)]
-        args = serve_args(folder, opts.timeout, *extra)
+        args = serve_args(folder, opts.timeout)
         assert not distributed.startup_problems(args)
         if group.rank() > 0:
             if distributed.serve_follower(args, group) != 0:
@@ -242,7 +259,8 @@ def main() -> int:
 
         registry, config = server.build(args, {}, problems=[], group=group)
         name = registry.models[0].name
-        registry.preload([name])
+        with tiny_pool(distributed) if tiny else contextlib.nullcontext():
+            registry.preload([name])
         assert registry.models[0].state == "loaded", registry.models[0].error
         engine = registry.models[0].engine
         try:
@@ -256,8 +274,6 @@ def main() -> int:
                 got["at_rest"] = at_rest(engine)
                 health = httpx.get(srv.url + "/health", timeout=10).json()
                 got["stats"] = health["models"][0]["stats"]
-                st = engine.stats()
-                per_block[folder] = st.kv_cache_bytes / (st.blocks_total + 1)
         finally:
             registry.close()  # the engine says STOP: the other ranks move on
     if group.rank() == 0:

@@ -7,8 +7,9 @@
   requests twice (batched, the second round hits the prefix cache, partial
   blocks included), greedy, through the OpenAI SDK. Every answer equals the
   single-process server's on the same folder, and afterwards rank 0 holds no
-  KV block nor state slot. Last, llama again in a pool too small for 4 requests
-  at once: they preempt each other and still answer as one process does.
+  KV block nor state slot. Last, llama and qwen3_next again in a pool too small
+  for 4 requests at once: they preempt each other and still answer as one
+  process does.
 - ``cairn serve`` with ``MLX_HOSTFILE`` / ``MLX_RANK`` set by hand: a follower that
   stops answering makes requests fail with 503 and rank 0 exit; rank 0 dying
   makes the follower exit; both within a bounded time.
@@ -36,7 +37,7 @@ import numpy as np
 import openai
 import pytest
 
-from distributed_ranks import preempt_workload, workload
+from distributed_ranks import TINY_POOL_BLOCKS, preempt_workload, workload
 from live_server import free_port, serve
 from mlx_cairn.api import ModelRegistry
 from mlx_cairn.engine.distributed import (
@@ -56,6 +57,8 @@ HERE = Path(__file__).parent
 #: Tensor parallel dense, tensor parallel MoE, pipeline-only hybrid.
 FAMILIES = ["llama", "qwen3_moe", "qwen3_next"]
 LAUNCH = Path(sys.executable).with_name("mlx.launch")
+#: Served once more in a tiny KV pool: tensor parallel, and pipeline with recurrent state.
+PREEMPTED = ["llama", "qwen3_next"]
 
 
 @pytest.fixture(scope="module")
@@ -101,7 +104,7 @@ def test_two_ranks_answer_as_one_process(model_dir: Path, tmp_path: Path) -> Non
     cmd = [
         str(LAUNCH), "--backend", "ring", "-n", "2", "--starting-port", str(_free_port_pair()),
         "--python", sys.executable, str(HERE / "distributed_ranks.py"), "--timeout", "30",
-        "--out", str(out), "--preempt", str(model_dir / "tiny-llama"),
+        "--out", str(out), *(f"--preempt={model_dir / f'tiny-{mt}'}" for mt in PREEMPTED),
         *(str(model_dir / f"tiny-{mt}") for mt in FAMILIES),
     ]  # fmt: skip
     with open(log, "wb") as f:
@@ -117,7 +120,7 @@ def test_two_ranks_answer_as_one_process(model_dir: Path, tmp_path: Path) -> Non
             try:
                 with serve(registry) as srv:
                     want[name] = workload(srv.url, name)
-                    if mt == "llama":
+                    if mt in PREEMPTED:
                         want[f"{name} (preempted)"] = {"texts": preempt_workload(srv.url, name)}
             finally:
                 registry.close()
@@ -153,10 +156,13 @@ def test_two_ranks_answer_as_one_process(model_dir: Path, tmp_path: Path) -> Non
     assert any(t for t in got["tiny-llama"]["texts"][0])
     # A pool too small for 4 requests at once: they preempt each other (recomputed
     # later on every rank), and answer as one process with a roomy pool does.
-    run = got["tiny-llama (preempted)"]
-    assert run["stats"]["preemptions"] > 0, run["stats"]
-    assert run["texts"] == want["tiny-llama (preempted)"]["texts"]
-    assert run["at_rest"] is None, run["at_rest"]
+    for mt in PREEMPTED:
+        name = f"tiny-{mt} (preempted)"
+        run = got[name]
+        assert run["stats"]["blocks_total"] == TINY_POOL_BLOCKS, (name, run["stats"])
+        assert run["stats"]["preemptions"] > 0, (name, run["stats"])
+        assert run["texts"] == want[name]["texts"], name
+        assert run["at_rest"] is None, (name, run["at_rest"])
 
 
 @contextmanager
