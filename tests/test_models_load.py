@@ -256,3 +256,13 @@ def test_mlx_quantized_folder_with_per_layer_overrides(tmp_path):
     np.testing.assert_allclose(
         _logits(load(str(folder), keep_quantized=True)), want, rtol=1e-3, atol=1e-3
     )
+
+
+def test_context_length_of_a_wrapper_is_its_language_models():
+    from mlx_cairn.models.hf import DEFAULT_CONTEXT, context_length
+
+    wrapped = {"max_position_embeddings": 2048, "text_config": {"max_position_embeddings": 262144}}
+    assert context_length(wrapped) == 262144
+    assert context_length({"text_config": {}, "seq_length": 8192}) == 8192
+    assert context_length({"max_position_embeddings": 32768}) == 32768
+    assert context_length({}) == DEFAULT_CONTEXT

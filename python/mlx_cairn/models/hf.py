@@ -97,8 +97,10 @@ DEFAULT_CONTEXT = 4096
 
 
 def context_length(config: dict[str, Any]) -> int:
-    """The model's context length from its config (text_config for multimodal wrappers)."""
-    for c in (config, config.get("text_config") or {}):
+    """The model's context length from its config: a multimodal wrapper's text_config
+    first (its language model's, which mlx-lm builds from it; a top-level figure in such
+    a wrapper may be another tower's or a leftover)."""
+    for c in (config.get("text_config") or {}, config):
         for key in ("max_position_embeddings", "max_sequence_length", "seq_length", "n_positions"):
             v = c.get(key)
             if isinstance(v, int) and v > 0:
