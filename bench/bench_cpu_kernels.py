@@ -1,4 +1,4 @@
-"""The fused fp32 CPU kernels (models/cpu_kernels.py, models/cpu_attention.py): on vs off.
+"""The fused fp32 CPU kernels (backends/cpu/kernels.py, backends/cpu/attention.py): on vs off.
 
 One process, the same engine and weights; rounds alternate between the
 fused kernels and MLX's own ops (``cpu_attention.disabled()`` turns every
@@ -35,8 +35,10 @@ import mlx.core as mx
 import numpy as np
 
 from bench_zoo_batch import submit_ids  # bench/ is on sys.path
+from mlx_cairn.backends.cpu import attention as cpu_attention
+from mlx_cairn.backends.cpu import kernels as cpu_kernels
 from mlx_cairn.engine import Engine
-from mlx_cairn.models import cpu_attention, cpu_kernels, load
+from mlx_cairn.models import load
 from mlx_cairn.models.loaded import LoadedModel
 from mlx_cairn.types import SamplingParams
 

@@ -26,7 +26,7 @@ import mlx_cairn  # noqa: F401  (loads our cblas_sgemm and OpenBLAS before mlx.c
 # isort: on
 import mlx.core as mx
 
-from mlx_cairn import _blas
+from mlx_cairn.backends.cpu import blas as _blas
 
 #: (in, out) of one SmolLM2-135M layer's products: gate, up, down, q, o, k, v.
 LAYER = [(576, 1536), (576, 1536), (1536, 576), (576, 576), (576, 576), (576, 192), (576, 192)]

@@ -6,7 +6,7 @@ would be: zoo.finish):
 
 - TTFT with a 2,500-token shared prefix, cached / cold. A recurrent state
   cannot be trimmed back to a shared prefix, so the engine restores a state
-  snapshot (engine/state.py). Requests: P + a, P + b (the second leaves the
+  snapshot (engine/hybrid_state.py). Requests: P + a, P + b (the second leaves the
   cached prefix at its branch point, where a snapshot is taken), then the
   measured P + c (restores it and prefills its own ~20 tokens); cold: a
   prompt of the same length never seen. The bar is <= 0.05.
@@ -40,7 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_zoo_batch import ours, random_model, theirs
 from mlx_cairn.engine import Engine
 from mlx_cairn.models.loaded import LoadedModel
-from mlx_cairn.models.tiny_configs import VOCAB
+from mlx_cairn.testing.tiny_configs import VOCAB
 from mlx_cairn.types import ChatRequest, Done, Message, SamplingParams
 
 PREFIX = 2500

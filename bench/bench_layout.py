@@ -1,4 +1,4 @@
-"""Decode steps with the weights in three CPU layouts (models/cpu_layout.py), and the decode kernel.
+"""Decode steps with the weights in three CPU layouts (backends/cpu/layout.py), and the decode kernel.
 
 The embedded SmolLM2-135M (fp32) is loaded once with ``CAIRN_CPU_LAYOUT=0``;
 each of its dense linears and its head is then also built as a
@@ -35,11 +35,11 @@ import mlx_cairn  # noqa: F401  (loads the optimized BLAS before mlx.core)
 import mlx.core as mx
 import mlx.nn as nn
 
-from mlx_cairn import _blas
+from mlx_cairn.backends.cpu import blas as _blas
+from mlx_cairn.backends.cpu.layout import BlockedLinear
 from mlx_cairn.engine.engine import _layer_specs
 from mlx_cairn.engine.paged import KVPools, PagedKVCache
 from mlx_cairn.models import load
-from mlx_cairn.models.cpu_layout import BlockedLinear
 
 LAYOUTS = ("plain", "768-column blocks", "one transposed block")
 #: Each side: its weight layout and whether the decode kernel serves its products.

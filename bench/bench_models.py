@@ -36,8 +36,9 @@ from mlx.utils import tree_flatten  # isort: skip
 
 from mlx_cairn.engine.reference import generate_tokens, prefill  # isort: skip
 from mlx_cairn.models import ContiguousKVCache, load  # isort: skip
-from mlx_cairn.models import cpu_layout, llama  # isort: skip
-from mlx_cairn.models.cpu_layout import BlockedLinear, hf_parameters  # isort: skip
+from mlx_cairn.backends.cpu import layout as cpu_layout  # isort: skip
+from mlx_cairn.models import llama  # isort: skip
+from mlx_cairn.backends.cpu.layout import BlockedLinear, hf_parameters  # isort: skip
 from mlx_cairn.models.export import save_folder  # isort: skip
 from mlx_cairn.types import SamplingParams  # isort: skip
 

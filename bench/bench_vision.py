@@ -34,7 +34,7 @@ from PIL import Image as PILImage
 import mlx_cairn  # noqa: F401  (optimized BLAS first)
 from mlx_cairn.engine import Engine
 from mlx_cairn.models import load
-from mlx_cairn.models.testing_vision import tiny_vision_folder
+from mlx_cairn.testing.vision import tiny_vision_folder
 from mlx_cairn.types import IMAGE_MARK, ChatRequest, Done, Image, Message, SamplingParams
 
 SIDE = 448
@@ -131,7 +131,7 @@ def ours(engine: Engine, reqs: list[ChatRequest]) -> tuple[list[Done], list[list
 def theirs(lm: Any, vlm: Any, req: ChatRequest) -> tuple[float, list[int], float]:
     """mlx-vlm's generate_step on our rendered prompt: (TTFT s, tokens, total s), with
     its own attention (ours is patched into its modules process-wide)."""
-    from mlx_cairn.models import cpu_attention
+    from mlx_cairn.backends.cpu import attention as cpu_attention
 
     with cpu_attention.disabled():
         return _theirs(lm, vlm, req)

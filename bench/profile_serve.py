@@ -56,7 +56,7 @@ def _child(port: int, dump: str, model: str | None, no_uvloop: bool) -> None:
     if no_uvloop:  # uvicorn's "auto" loop then falls back to asyncio's own
         sys.modules["uvloop"] = None  # type: ignore[assignment]
     import mlx_cairn  # noqa: F401  (optimized BLAS before mlx.core)
-    from mlx_cairn.api import runner
+    from mlx_cairn.api import respond as runner
     from mlx_cairn.cli import main
     from mlx_cairn.engine.stream import RequestStream
     from mlx_cairn.protocol.openai_chat import ChatCodec
@@ -286,7 +286,7 @@ CATEGORIES = [  # first match wins, looked up in the loop thread's stack, innerm
     ("h11 / httptools", ("h11/", "httptools")),
     ("uvicorn protocol", ("uvicorn/protocols",)),
     ("stream hand-off", ("engine/stream.py",)),
-    ("runner", ("api/runner.py",)),
+    ("runner", ("api/respond.py",)),
     ("starlette / app", ("starlette/", "fastapi/", "api/app.py", "api/auth.py", "metrics.py")),
     ("asyncio (Python: tasks, futures, wait)", ("asyncio/", "uvloop")),
 ]

@@ -184,7 +184,7 @@ def preempt_workload(url: str, model: str) -> list[str | None]:
 
 
 def serve_args(folder: str, timeout: float) -> argparse.Namespace:
-    from mlx_cairn.api import server
+    from mlx_cairn.cli import serve as server
 
     parser = argparse.ArgumentParser()
     server.add_arguments(parser)
@@ -214,7 +214,7 @@ def tiny_pool(distributed: Any) -> Iterator[None]:
 
 def at_rest(engine: Any) -> str | None:
     """Why rank 0's engine is not at rest (a block or state slot still held), or None."""
-    from mlx_cairn.engine.testing import assert_at_rest
+    from mlx_cairn.testing.engine import assert_at_rest
 
     try:
         assert_at_rest(engine)
@@ -240,7 +240,7 @@ def main() -> int:
     logging.basicConfig(level="WARNING")
     import httpx
 
-    from mlx_cairn.api import server
+    from mlx_cairn.cli import serve as server
     from mlx_cairn.engine import distributed
 
     group = distributed.group_from_env()

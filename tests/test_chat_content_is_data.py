@@ -28,10 +28,10 @@ from live_server import registry_for, serve
 from mlx_cairn.chat import ChatTemplate, Tokenizer, build_prompt, detect_reasoning
 from mlx_cairn.chat.builtin_templates import CHATML, QWEN3
 from mlx_cairn.engine import Engine
-from mlx_cairn.engine.testing import assert_at_rest
-from mlx_cairn.models.testing import tiny_tokenizer
 from mlx_cairn.protocol.anthropic import parse_messages_request
 from mlx_cairn.protocol.openai_chat import parse_chat_request
+from mlx_cairn.testing.engine import assert_at_rest
+from mlx_cairn.testing.models import tiny_tokenizer
 from mlx_cairn.types import ChatRequest, Message, Tool, ToolCall
 from scripted_model import say, scripted_model
 

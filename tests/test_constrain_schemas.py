@@ -10,7 +10,7 @@ from mlx_cairn import constrain
 from mlx_cairn.constrain import GrammarMask
 from mlx_cairn.engine.prepare import compile_grammar
 from mlx_cairn.errors import InvalidRequest
-from mlx_cairn.models.testing import tiny_model
+from mlx_cairn.testing.models import tiny_model
 from mlx_cairn.types import ChatRequest, Message, OutputFormat
 
 KEYS = [

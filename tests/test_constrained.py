@@ -10,8 +10,8 @@ import jsonschema
 import pytest
 
 from mlx_cairn.engine import Engine
-from mlx_cairn.engine.testing import assert_at_rest
 from mlx_cairn.errors import InvalidRequest
+from mlx_cairn.testing.engine import assert_at_rest
 from mlx_cairn.types import (
     ChatRequest,
     Done,

@@ -28,18 +28,18 @@ from tokenizers import Tokenizer
 
 from live_server import serve
 from mlx_cairn.api import ModelRegistry, create_app
-from mlx_cairn.engine.testing import assert_at_rest, wait_idle
+from mlx_cairn.backends.cpu import attention as cpu_attention
 from mlx_cairn.errors import InvalidRequest
-from mlx_cairn.models import cpu_attention
 from mlx_cairn.models.export import save_folder
-from mlx_cairn.models.testing import tiny_zoo_model
-from mlx_cairn.models.testing_embed import save_tiny_embedding
 from mlx_cairn.protocol.embeddings import (
     EmbeddingRequest,
     parse_ollama_embed,
     parse_ollama_embeddings,
     parse_openai,
 )
+from mlx_cairn.testing.embed import save_tiny_embedding
+from mlx_cairn.testing.engine import assert_at_rest, wait_idle
+from mlx_cairn.testing.models import tiny_zoo_model
 
 pytestmark = pytest.mark.timeout(300)
 

@@ -17,8 +17,8 @@ import pytest
 
 from mlx_cairn.engine import Engine
 from mlx_cairn.engine.disk import SUFFIX
-from mlx_cairn.engine.testing import closing_at_rest
-from mlx_cairn.models.testing import tiny_model
+from mlx_cairn.testing.engine import closing_at_rest
+from mlx_cairn.testing.models import tiny_model
 from mlx_cairn.types import ChatRequest, Done, Message, SamplingParams
 
 TIMEOUT = 60.0
@@ -163,7 +163,7 @@ def test_the_budget_holds(lm, tmp_path):
 def test_a_hybrid_restart_restores_its_state_snapshot_from_disk(tmp_path):
     """Hybrids keep their state snapshots in the same tier: after a restart the
     prefix hits (KV blocks and the state after them) and equals mlx-lm cold."""
-    from mlx_cairn.models.testing import mlx_lm_greedy, tiny_zoo_model
+    from mlx_cairn.testing.models import mlx_lm_greedy, tiny_zoo_model
 
     hybrid = tiny_zoo_model("qwen3_5", seed=1)
     rng = np.random.default_rng(6)
@@ -181,7 +181,7 @@ def test_a_hybrid_restart_restores_its_state_snapshot_from_disk(tmp_path):
 
 
 def test_a_hybrid_pool_smaller_than_its_working_set_hits_from_disk(tmp_path):
-    from mlx_cairn.models.testing import tiny_zoo_model
+    from mlx_cairn.testing.models import tiny_zoo_model
 
     hybrid = tiny_zoo_model("qwen3_5", seed=1)
     rng = np.random.default_rng(7)

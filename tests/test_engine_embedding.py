@@ -16,11 +16,12 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from mlx_cairn.engine.embedding import EmbeddingEngine
+from mlx_cairn.backends.cpu import attention as cpu_attention
+from mlx_cairn.engine.embedder import EmbeddingEngine
 from mlx_cairn.errors import InvalidRequest, ModelLoadError, QueueFull
-from mlx_cairn.models import cpu_attention, load
+from mlx_cairn.models import load
 from mlx_cairn.models.embedding import EmbeddingModel, load_embedding_model
-from mlx_cairn.models.testing_embed import save_tiny_embedding
+from mlx_cairn.testing.embed import save_tiny_embedding
 from mlx_cairn.types import ChatRequest, Message
 
 pytestmark = pytest.mark.timeout(300)

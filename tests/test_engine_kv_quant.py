@@ -10,10 +10,10 @@ import numpy as np
 import pytest
 from mlx_lm.models.cache import KVCache, QuantizedKVCache, make_prompt_cache
 
+from mlx_cairn.backends.cpu import attention as cpu_attention
 from mlx_cairn.engine import Engine
-from mlx_cairn.engine.testing import closing_at_rest
-from mlx_cairn.models import cpu_attention
-from mlx_cairn.models.testing import tiny_zoo_model
+from mlx_cairn.testing.engine import closing_at_rest
+from mlx_cairn.testing.models import tiny_zoo_model
 from mlx_cairn.types import ChatRequest, Done, Message, SamplingParams
 
 TIMEOUT = 60.0
@@ -158,7 +158,7 @@ def test_prefix_sharing_partial_copy_and_preemption_on_quantized_blocks(lm):
 def test_serve_refuses_bad_kv_settings():
     import argparse
 
-    from mlx_cairn.api.server import ServeError, add_arguments, build
+    from mlx_cairn.cli.serve import ServeError, add_arguments, build
 
     p = argparse.ArgumentParser()
     add_arguments(p)
@@ -178,7 +178,7 @@ def test_serve_refuses_bad_kv_settings():
 def test_own_architecture_and_speculative_verification_on_quantized_blocks():
     # models/llama.py (the embedded default's code) takes the packed triples
     # through cpu_attention.attention; n-gram speculation verifies over them.
-    from mlx_cairn.models.testing import tiny_model
+    from mlx_cairn.testing.models import tiny_model
 
     own = tiny_model("qwen3", seed=4)  # head_dim 32
     prompt = [(3 * i) % 20 + 5 for i in range(40)]  # repetitive: drafts get proposed
@@ -265,7 +265,7 @@ def folder(lm, tmp_path_factory):
 def _serve_build(folder, *flags: str):
     import argparse
 
-    from mlx_cairn.api.server import add_arguments, build
+    from mlx_cairn.cli.serve import add_arguments, build
 
     p = argparse.ArgumentParser()
     add_arguments(p)

@@ -23,9 +23,9 @@ import numpy as np
 import pytest
 
 from mlx_cairn.engine import Engine
-from mlx_cairn.engine import runner as runner_mod
-from mlx_cairn.engine.testing import engines_at_rest, greedy_reference
-from mlx_cairn.models.testing import tiny_model
+from mlx_cairn.engine import model_runner as runner_mod
+from mlx_cairn.testing.engine import engines_at_rest, greedy_reference
+from mlx_cairn.testing.models import tiny_model
 from mlx_cairn.types import ChatRequest, Done, Message, SamplingParams
 
 TIMEOUT = 60.0

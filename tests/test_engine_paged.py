@@ -8,7 +8,7 @@ import pytest
 
 from mlx_cairn.engine.paged import KVPools, PagedKVCache
 from mlx_cairn.models.cache import ContiguousKVCache
-from mlx_cairn.models.testing import tiny_model
+from mlx_cairn.testing.models import tiny_model
 
 
 @pytest.fixture(scope="module", params=["llama", "qwen3"])
@@ -96,7 +96,7 @@ def test_long_prefill_chunks_get_calls_of_their_own() -> None:
     shorter ones still share calls (one read of the weights)."""
     from types import SimpleNamespace
 
-    from mlx_cairn.engine.runner import SOLO_PREFILL_TOKENS, _prefill_groups
+    from mlx_cairn.engine.model_runner import SOLO_PREFILL_TOKENS, _prefill_groups
 
     n = SOLO_PREFILL_TOKENS
     chunks = [SimpleNamespace(n=k) for k in (n + 188, n + 66, n, 20, 18, 3 * n)]

@@ -10,14 +10,14 @@ import pytest
 from mlx_cairn.engine import Engine
 from mlx_cairn.engine.scheduler import MIN_PARTIAL_ROWS, Scheduler
 from mlx_cairn.engine.sequence import PreparedRequest, Sequence
-from mlx_cairn.engine.testing import (
+from mlx_cairn.kv import BlockPool, PrefixCache
+from mlx_cairn.testing.engine import (
     bare_sequence,
     closing_at_rest,
     greedy_reference_at,
 )
-from mlx_cairn.kv import BlockPool, PrefixCache
-from mlx_cairn.models.testing import mlx_lm_greedy, tiny_model, tiny_zoo_model
-from mlx_cairn.models.tiny_configs import HYBRID_CONFIGS
+from mlx_cairn.testing.models import mlx_lm_greedy, tiny_model, tiny_zoo_model
+from mlx_cairn.testing.tiny_configs import HYBRID_CONFIGS
 from mlx_cairn.types import ChatRequest, Done, Message, SamplingParams
 
 TIMEOUT = 60.0

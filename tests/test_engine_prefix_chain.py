@@ -9,9 +9,9 @@ import pytest
 from mlx_cairn.engine import Engine
 from mlx_cairn.engine.scheduler import Scheduler
 from mlx_cairn.engine.sequence import Sequence
-from mlx_cairn.engine.testing import bare_sequence, closing_at_rest, greedy_reference
 from mlx_cairn.kv import BlockPool, PrefixCache
-from mlx_cairn.models.testing import tiny_model
+from mlx_cairn.testing.engine import bare_sequence, closing_at_rest, greedy_reference
+from mlx_cairn.testing.models import tiny_model
 from mlx_cairn.types import ChatRequest, Done, Message, SamplingParams
 
 TIMEOUT = 60.0

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 from mlx_cairn.engine.scheduler import TAIL_FRACTION, Scheduler
-from mlx_cairn.engine.testing import bare_sequence
 from mlx_cairn.kv import BlockPool, PrefixCache
+from mlx_cairn.testing.engine import bare_sequence
 
 BS = 16
 BUDGET = 64

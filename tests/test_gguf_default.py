@@ -12,8 +12,8 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
+from mlx_cairn.backends.cpu.layout import hf_parameters
 from mlx_cairn.engine.reference import generate_tokens
-from mlx_cairn.models.cpu_layout import hf_parameters
 from mlx_cairn.models.gguf_check import read_header
 from mlx_cairn.models.loader import default_model_path
 from mlx_cairn.types import ChatRequest, Message, SamplingParams

@@ -164,9 +164,9 @@ def test_engine_greedy_equals_mlx_lm_gemma3_text(gemma, gemma_lm):
     mlx-lm's gemma3_text with its own caches on the same dequantized weights."""
     pytest.importorskip("mlx_lm", reason="mlx-lm provides the reference gemma3_text model")
     from mlx_cairn.engine import Engine
-    from mlx_cairn.engine.testing import closing_at_rest
     from mlx_cairn.models import zoo
-    from mlx_cairn.models.testing import mlx_lm_greedy
+    from mlx_cairn.testing.engine import closing_at_rest
+    from mlx_cairn.testing.models import mlx_lm_greedy
 
     lm = gemma_lm
     ref = zoo.build_model(gemma.config, dict(gemma.weights))

@@ -35,9 +35,7 @@ from hypothesis import strategies as st
 from live_server import registry_for, serve
 from mlx_cairn.api import ServerConfig
 from mlx_cairn.engine import Engine
-from mlx_cairn.engine.testing import assert_at_rest
 from mlx_cairn.errors import InvalidRequest
-from mlx_cairn.models.testing import tiny_model
 from mlx_cairn.protocol.anthropic import parse_count_tokens_request, parse_messages_request
 from mlx_cairn.protocol.images import (
     ImageLimits,
@@ -50,6 +48,8 @@ from mlx_cairn.protocol.ollama import parse_chat_request as ollama_chat
 from mlx_cairn.protocol.ollama import parse_generate_request as ollama_generate
 from mlx_cairn.protocol.openai_chat import parse_chat_request
 from mlx_cairn.protocol.openai_responses import parse_responses_request
+from mlx_cairn.testing.engine import assert_at_rest
+from mlx_cairn.testing.models import tiny_model
 from mlx_cairn.types import IMAGE_MARK, Image, Message
 
 # ------------------------------------------------------------------ pictures
@@ -686,7 +686,7 @@ def test_image_urls_are_fetched_only_when_allowed(live: dict[str, Any]) -> None:
 def vision(tmp_path_factory: Any) -> Iterator[dict[str, Any]]:
     pytest.importorskip("mlx_vlm")
     from mlx_cairn.models import load
-    from mlx_cairn.models.testing_vision import tiny_vision_folder
+    from mlx_cairn.testing.vision import tiny_vision_folder
 
     lm = load(str(tiny_vision_folder("gemma3", tmp_path_factory.mktemp("gemma3"))))
     engine = Engine(lm, num_blocks=256, block_size=4)
@@ -813,7 +813,7 @@ def test_a_vision_model_reads_a_chat_image_url_streamed(vision: dict[str, Any]) 
 def test_serve_flags_reach_the_config() -> None:
     import argparse
 
-    from mlx_cairn.api.server import ServeError, add_arguments, build
+    from mlx_cairn.cli.serve import ServeError, add_arguments, build
 
     def config(*argv: str) -> ServerConfig:
         p = argparse.ArgumentParser()
@@ -844,7 +844,7 @@ def test_serve_flags_reach_the_config() -> None:
 def _parsed() -> Any:
     import argparse
 
-    from mlx_cairn.api.server import add_arguments
+    from mlx_cairn.cli.serve import add_arguments
 
     p = argparse.ArgumentParser()
     add_arguments(p)

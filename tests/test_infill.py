@@ -20,8 +20,8 @@ from live_server import registry_for, serve
 from mlx_cairn.api import ServerConfig
 from mlx_cairn.chat.fim import fim_stop_ids
 from mlx_cairn.engine import Engine
-from mlx_cairn.engine.testing import assert_at_rest
 from mlx_cairn.protocol.llama_infill import fold_chunks
+from mlx_cairn.testing.engine import assert_at_rest
 
 PREFIX = "def add(x, y):\n"
 LINE = "    return"

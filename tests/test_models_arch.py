@@ -10,7 +10,7 @@ import pytest
 
 from mlx_cairn.errors import ModelLoadError
 from mlx_cairn.models import ContiguousKVCache, ModelArgs
-from mlx_cairn.models.testing import tiny_model
+from mlx_cairn.testing.models import tiny_model
 
 ARCHS = ["llama", "qwen2", "qwen3"]
 
@@ -168,7 +168,7 @@ def test_rope_layouts_differ_but_both_run():
 def test_cpu_layout_gives_the_same_logits(arch):
     from mlx.utils import tree_flatten
 
-    from mlx_cairn.models.cpu_layout import BlockedLinear, apply_cpu_layout, hf_parameters
+    from mlx_cairn.backends.cpu.layout import BlockedLinear, apply_cpu_layout, hf_parameters
 
     lm = tiny_model(arch, seed=4)
     before = dict(tree_flatten(lm.model.parameters()))

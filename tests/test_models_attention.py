@@ -6,8 +6,8 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from mlx_cairn.models import cpu_attention
-from mlx_cairn.models.cpu_attention import _cpu_attention, _exp2_shifted, attention
+from mlx_cairn.backends.cpu import attention as cpu_attention
+from mlx_cairn.backends.cpu.attention import _cpu_attention, _exp2_shifted, attention
 
 RTOL = 2e-5
 

@@ -14,11 +14,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from mlx_cairn.api.registry import ModelRegistry, names_for_source, scan_models_dir
-from mlx_cairn.engine.testing import assert_at_rest
 from mlx_cairn.errors import ModelLoadError, ModelUnavailable, error_kind
 from mlx_cairn.models import hub
 from mlx_cairn.models.export import save_folder
-from mlx_cairn.models.testing import tiny_model
+from mlx_cairn.testing.engine import assert_at_rest
+from mlx_cairn.testing.models import tiny_model
 from mlx_cairn.types import ChatRequest, Error, Message, SamplingParams, TextDelta
 
 pytestmark = pytest.mark.timeout(300)
@@ -348,7 +348,7 @@ def test_a_failed_load_is_each_dialects_server_error_and_flags_build_the_registr
     from fastapi.testclient import TestClient
 
     from mlx_cairn.api import create_app
-    from mlx_cairn.api.server import add_arguments, build
+    from mlx_cairn.cli.serve import add_arguments, build
 
     p = argparse.ArgumentParser()
     add_arguments(p)

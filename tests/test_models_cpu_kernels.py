@@ -1,4 +1,4 @@
-"""The fused fp32 CPU activations (models/cpu_kernels.py) against float64 and mlx.nn."""
+"""The fused fp32 CPU activations (backends/cpu/kernels.py) against float64 and mlx.nn."""
 
 from __future__ import annotations
 
@@ -10,8 +10,9 @@ import mlx.nn as nn
 import numpy as np
 import pytest
 
-from mlx_cairn.models import cpu_attention, cpu_kernels
-from mlx_cairn.models.testing import tiny_zoo_model
+from mlx_cairn.backends.cpu import attention as cpu_attention
+from mlx_cairn.backends.cpu import kernels as cpu_kernels
+from mlx_cairn.testing.models import tiny_zoo_model
 
 EDGES = [0.0, -0.0, 1e-30, -1e-30, 1e30, -1e30, 88.0, -88.0, 104.0, -104.0, np.inf, -np.inf]
 

@@ -1,4 +1,4 @@
-"""MLX's fp32 products through our ``cblas_sgemm`` (``_blas.py``, ``rust/bindings/src/blas.rs``).
+"""MLX's fp32 products through our ``cblas_sgemm`` (``backends/cpu/blas.py``, ``rust/bindings/src/blas.rs``).
 
 Decode-sized ``x @ Wt`` products go to ``cairn_blas::sgemm``; every other call
 (more rows, transposed operands, small weights) to OpenBLAS. Both must give
@@ -15,7 +15,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from mlx_cairn import _blas
+from mlx_cairn.backends.cpu import blas as _blas
 
 pytestmark = pytest.mark.skipif(
     _blas.decode_gemm is None, reason="the kernel is for x86-64 Linux with AVX2 and FMA"
@@ -80,7 +80,7 @@ def test_switching_the_kernel_off_sends_everything_to_openblas() -> None:
 
 def test_cairn_decode_gemm_0_leaves_mlx_to_openblas_alone() -> None:
     code = (
-        "import os, mlx_cairn, mlx_cairn._blas as b, mlx.core as mx\n"
+        "import os, mlx_cairn, mlx_cairn.backends.cpu.blas as b, mlx.core as mx\n"
         "x = mx.ones((8, 576)); w = mx.ones((576, 1536))\n"
         "assert float((x @ w)[0, 0]) == 576.0\n"
         "print(b.decode_gemm is None, os.environ.get('OPENBLAS_THREAD_TIMEOUT'))\n"

@@ -11,7 +11,7 @@ from mlx_cairn.engine import reference
 from mlx_cairn.engine.reference import GenerationStats, generate_ids, generate_tokens
 from mlx_cairn.models import ContiguousKVCache
 from mlx_cairn.models.export import save_folder
-from mlx_cairn.models.testing import tiny_model
+from mlx_cairn.testing.models import tiny_model
 from mlx_cairn.types import ChatRequest, Message, SamplingParams
 
 GREEDY = SamplingParams(temperature=0.0)
@@ -132,7 +132,7 @@ def test_cli_generate_errors(tmp_path, capsys, argv, message):
 
 @pytest.mark.slow
 def test_cli_generate_default_model(capsys, default_model, monkeypatch):
-    from mlx_cairn.chat import generate_cli
+    from mlx_cairn.cli import generate as generate_cli
 
     monkeypatch.setattr(generate_cli, "_load_with_progress", lambda *a: (default_model, 0.0))
     rc = main(["generate", "What is the capital of France?", "--max-tokens", "24"])

@@ -15,11 +15,11 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from mlx_cairn.engine import Engine
-from mlx_cairn.engine.testing import closing_at_rest
 from mlx_cairn.errors import InvalidRequest
 from mlx_cairn.protocol.anthropic import parse_messages_request
 from mlx_cairn.protocol.openai_chat import parse_chat_request
 from mlx_cairn.protocol.openai_responses import parse_responses_request
+from mlx_cairn.testing.engine import closing_at_rest
 from mlx_cairn.types import (
     GREEDY_BELOW_TEMPERATURE,
     MAX_SEED,

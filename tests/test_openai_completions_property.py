@@ -26,8 +26,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from openai.types import Completion
 
-from mlx_cairn.engine.testing import assert_at_rest
 from mlx_cairn.protocol.openai_completions import ChoiceEvent, CompletionCodec
+from mlx_cairn.testing.engine import assert_at_rest
 from mlx_cairn.types import (
     Done,
     Event,

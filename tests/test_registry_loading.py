@@ -21,8 +21,8 @@ import pytest
 from live_server import serve, wait_until
 from mlx_cairn.api import ModelRegistry, ServerConfig
 from mlx_cairn.engine import Engine
-from mlx_cairn.engine.testing import assert_at_rest
 from mlx_cairn.errors import ModelLoadError
+from mlx_cairn.testing.engine import assert_at_rest
 from scripted_model import say, scripted_model
 
 pytestmark = pytest.mark.timeout(120)

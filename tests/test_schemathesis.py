@@ -25,10 +25,10 @@ from hypothesis import HealthCheck, settings
 from live_server import ANTHROPIC_ERROR_TYPES, registry_for, serve
 from mlx_cairn.api import ModelRegistry, ServerConfig, create_app
 from mlx_cairn.engine import Engine
-from mlx_cairn.engine.embedding import EmbeddingEngine
-from mlx_cairn.engine.testing import assert_at_rest
+from mlx_cairn.engine.embedder import EmbeddingEngine
 from mlx_cairn.models.embedding import load_embedding_model
-from mlx_cairn.models.testing_embed import save_tiny_embedding
+from mlx_cairn.testing.embed import save_tiny_embedding
+from mlx_cairn.testing.engine import assert_at_rest
 from scripted_model import scripted_model
 
 TOKEN = "schemathesis-token"

@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from mlx_cairn.api.server import (
+from mlx_cairn.cli.serve import (
     CLAUDE_CODE_CONTEXT,
     ServeError,
     add_arguments,
@@ -16,8 +16,8 @@ from mlx_cairn.api.server import (
     claude_code_fit,
     override_context,
 )
-from mlx_cairn.engine.testing import closing_at_rest
-from mlx_cairn.models.testing import tiny_model
+from mlx_cairn.testing.engine import closing_at_rest
+from mlx_cairn.testing.models import tiny_model
 
 
 def args(*argv: str) -> argparse.Namespace:

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from mlx_cairn.api.server import (
+from mlx_cairn.cli.serve import (
     MIN_KV_TOKENS,
     ServeError,
     add_arguments,
@@ -29,7 +29,7 @@ from mlx_cairn.api.server import (
 )
 from mlx_cairn.engine.stats import EngineStats
 from mlx_cairn.models.export import save_folder
-from mlx_cairn.models.testing import tiny_model
+from mlx_cairn.testing.models import tiny_model
 
 pytestmark = pytest.mark.timeout(300)
 

@@ -24,8 +24,8 @@ from mlx_cairn.chat import Tokenizer
 from mlx_cairn.engine import Engine
 from mlx_cairn.engine.output import SequenceOutput
 from mlx_cairn.engine.sequence import PreparedRequest
-from mlx_cairn.engine.testing import assert_at_rest, closing_at_rest
-from mlx_cairn.models.testing import TINY_VOCAB, tiny_tokenizer
+from mlx_cairn.testing.engine import assert_at_rest, closing_at_rest
+from mlx_cairn.testing.models import TINY_VOCAB, tiny_tokenizer
 from mlx_cairn.text import decode_skips, parser_tags
 from mlx_cairn.types import (
     ChatRequest,

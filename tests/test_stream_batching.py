@@ -9,7 +9,7 @@ from typing import Any
 import httpx
 
 from live_server import scripted_server, sse_events
-from mlx_cairn.api import runner
+from mlx_cairn.api import respond as runner
 from mlx_cairn.engine.stream import RequestStream
 from mlx_cairn.types import Done, Error, TextDelta, Timings, Usage
 from scripted_model import say

@@ -15,10 +15,11 @@ pytest.importorskip("mlx_vlm")
 
 from PIL import Image as PILImage
 
+from mlx_cairn.backends.cpu import attention as cpu_attention
 from mlx_cairn.engine import Engine
-from mlx_cairn.engine.testing import assert_at_rest, greedy_reference
-from mlx_cairn.models import cpu_attention, load
-from mlx_cairn.models.testing_vision import tiny_vision_folder
+from mlx_cairn.models import load
+from mlx_cairn.testing.engine import assert_at_rest, greedy_reference
+from mlx_cairn.testing.vision import tiny_vision_folder
 from mlx_cairn.types import (
     IMAGE_MARK,
     Admitted,

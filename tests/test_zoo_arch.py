@@ -1,7 +1,7 @@
 """mlx-lm architectures over the paged engine: greedy tokens equal mlx-lm's own generation.
 
 For each architecture a tiny random-weight model is built from mlx-lm's own
-classes (models/tiny_configs.py: real config shapes, a few layers). The
+classes (testing/tiny_configs.py: real config shapes, a few layers). The
 engine runs several prompts of different lengths batched together, with
 chunked prefill and one prompt that hits the prefix cache; every row's greedy
 tokens must equal a plain single-sequence loop over the same mlx-lm model
@@ -16,9 +16,9 @@ import numpy as np
 import pytest
 
 from mlx_cairn.engine import Engine
-from mlx_cairn.engine.testing import closing_at_rest
-from mlx_cairn.models.testing import mlx_lm_greedy, tiny_zoo_model
-from mlx_cairn.models.tiny_configs import TINY_CONFIGS, WRAPPERS
+from mlx_cairn.testing.engine import closing_at_rest
+from mlx_cairn.testing.models import mlx_lm_greedy, tiny_zoo_model
+from mlx_cairn.testing.tiny_configs import TINY_CONFIGS, WRAPPERS
 from mlx_cairn.types import ChatRequest, Done, Message, SamplingParams
 
 TIMEOUT = 120.0

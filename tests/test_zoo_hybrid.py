@@ -1,7 +1,7 @@
 """Hybrid architectures (recurrent-state layers between attention layers) on the engine.
 
 For each hybrid mlx-lm architecture a tiny random-weight model is built from
-mlx-lm's own classes (models/tiny_configs.py ``HYBRID_CONFIGS``). The engine
+mlx-lm's own classes (testing/tiny_configs.py ``HYBRID_CONFIGS``). The engine
 runs prompts of different lengths batched together, chunked, one of them a
 prefix hit restored from a state snapshot; every row's greedy tokens must
 equal mlx-lm's own single-sequence generation (its ``ArraysCache`` /
@@ -18,9 +18,9 @@ import numpy as np
 import pytest
 
 from mlx_cairn.engine import Engine
-from mlx_cairn.engine.testing import closing_at_rest
-from mlx_cairn.models.testing import mlx_lm_greedy, tiny_zoo_model
-from mlx_cairn.models.tiny_configs import HYBRID_CONFIGS
+from mlx_cairn.testing.engine import closing_at_rest
+from mlx_cairn.testing.models import mlx_lm_greedy, tiny_zoo_model
+from mlx_cairn.testing.tiny_configs import HYBRID_CONFIGS
 from mlx_cairn.types import ChatRequest, Done, Message, SamplingParams
 
 TIMEOUT = 120.0

@@ -9,12 +9,12 @@ import mlx.nn as nn
 import pytest
 
 from mlx_cairn.engine import Engine
-from mlx_cairn.engine.testing import closing_at_rest
 from mlx_cairn.errors import ModelLoadError
 from mlx_cairn.models import load
 from mlx_cairn.models.export import save_folder
-from mlx_cairn.models.testing import mlx_lm_greedy, tiny_zoo_model
 from mlx_cairn.models.zoo import ZooModel, model_classes
+from mlx_cairn.testing.engine import closing_at_rest
+from mlx_cairn.testing.models import mlx_lm_greedy, tiny_zoo_model
 from mlx_cairn.types import ChatRequest, Done, Message, SamplingParams
 
 
@@ -46,7 +46,7 @@ def test_dense_folder_loads_through_mlx_lm_and_matches_it(tmp_path, monkeypatch,
 
     from mlx_lm.utils import load_model
 
-    from mlx_cairn.models import cpu_attention
+    from mlx_cairn.backends.cpu import attention as cpu_attention
 
     # Small query chunks, so the CPU prefill attention runs several per prompt.
     monkeypatch.setattr(cpu_attention, "_CHUNK_SCORES", 64)
@@ -101,7 +101,7 @@ def test_per_layer_quantization_override_is_read(tmp_path):
     folder = save_folder(tiny_zoo_model("olmo2", seed=4), tmp_path / "q", quantize=(32, 4))
     config = json.loads((folder / "config.json").read_text())
     # Re-quantize one layer at 8 bits, the way mlx-lm's mixed recipes record it.
-    from mlx_cairn.models.cpu_layout import dense_parameters
+    from mlx_cairn.backends.cpu.layout import dense_parameters
 
     weights = mx.load(str(folder / "model.safetensors"))
     base = "model.layers.0.self_attn.q_proj"
@@ -121,7 +121,7 @@ def test_per_layer_quantization_override_is_read(tmp_path):
     layer = dict(kept.model.named_modules())[base]
     assert (layer.bits, layer.group_size) == (8, 64)
     dense = load(str(folder))
-    # Under their usual names whatever CPU layout the load picked (models/cpu_layout.py).
+    # Under their usual names whatever CPU layout the load picked (backends/cpu/layout.py).
     flat = dense_parameters(dense.model.inner)
     assert mx.allclose(flat[f"{base}.weight"], w, atol=0.05).item()
 
@@ -183,7 +183,7 @@ def test_an_architecture_whose_call_is_not_head_of_backbone_runs_whole():
 def test_cpu_layout_keeps_the_tokens_and_exports_back(tmp_path, monkeypatch, model_type):
     from mlx_lm.utils import load_model
 
-    from mlx_cairn.models.cpu_layout import BlockedLinear, BlockedTiedEmbedding
+    from mlx_cairn.backends.cpu.layout import BlockedLinear, BlockedTiedEmbedding
 
     folder = save_folder(tiny_zoo_model(model_type, seed=8), tmp_path / "a")
     monkeypatch.setenv("CAIRN_CPU_LAYOUT", "1")  # force the blocked layout (measured by default)
@@ -224,7 +224,7 @@ def test_llama_family_folders_go_to_mlx_lm(tmp_path):
 def test_reference_loop_and_whole_call_architectures_through_the_engine():
     """engine/reference.py (``cairn generate``) runs mlx-lm's own caches; an architecture
     that computes logits inside __call__ serves through the engine unchanged."""
-    from mlx_cairn.engine.testing import greedy_reference
+    from mlx_cairn.testing.engine import greedy_reference
 
     lm = tiny_zoo_model("gemma3_text", seed=12)
     ids = lm.tokenizer.encode("What is the capital of France? " * 4)

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from mlx_cairn import _blas
+from mlx_cairn.backends.cpu import blas as _blas
 
 _blas.ensure()  # must run before anything imports mlx.core
 

@@ -26,7 +26,7 @@ the whole prefix (``prefix`` must end on a block boundary)::
     h = cache.hash_blocks(tokens[n_full * bs : (n_full + 1) * bs], prefix=h)
     cache.insert(h, seq_blocks)          # registers the newly full block
 
-Semantics (DESIGN.md §3):
+Semantics (docs/design.md §3):
 
 - ``BlockPool.num_blocks`` counts block 0, which is never handed out.
 - A block whose refcount drops to 0 goes to the tail of an LRU free list and keeps

@@ -3,7 +3,7 @@
 Every dialect (Anthropic Messages, OpenAI Chat Completions, OpenAI Responses)
 maps its request body to a :class:`ChatRequest`; the engine turns it into an
 async stream of :data:`Event`; each dialect encodes that stream as SSE or
-folds it into one JSON body (DESIGN.md §1). Nothing here imports MLX.
+folds it into one JSON body (docs/design.md §1). Nothing here imports MLX.
 
 Example::
 
@@ -224,7 +224,7 @@ class ChatRequest:
     #: Most reasoning tokens before the engine closes the reasoning block
     #: itself (the model's end-of-reasoning tag) so the answer follows; None: no limit.
     reasoning_budget: int | None = None
-    #: Keeps prefix-cache entries of different tenants apart (DESIGN.md §3).
+    #: Keeps prefix-cache entries of different tenants apart (docs/design.md §3).
     cache_salt: str | None = None
     #: Speculative decoding for this request: None = the server's setting,
     #: False = off (an opt-out; True cannot turn it on where the server has none).

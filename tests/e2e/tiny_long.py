@@ -43,7 +43,7 @@ from mlx_cairn.models.export import save_folder
 from mlx_cairn.models.llama import LlamaModel
 from mlx_cairn.models.loaded import assemble
 from mlx_cairn.models.loader import default_model_path, load
-from mlx_cairn.models.testing import random_weights, tiny_args
+from mlx_cairn.testing.models import random_weights, tiny_args
 
 #: What the model answers to any prompt (20 distinct SmolLM2 tokens).
 REPLY = "Hello! I am a tiny random-weight test model; my weights spell out this short reply."
@@ -56,7 +56,7 @@ _HEAD_WEIGHT = 4.0
 
 def export_tiny_long(folder: str | Path, *, seed: int = 0) -> Path:
     """Write the model as a Hugging Face folder and check that it loads back as specified."""
-    import mlx.core as mx  # here, after mlx_cairn has loaded the optimized BLAS (DESIGN.md §5)
+    import mlx.core as mx  # here, after mlx_cairn has loaded the optimized BLAS (docs/design.md §5)
 
     _, meta = mx.load(str(default_model_path()), return_metadata=True)
     tok = tokenizer_from_gguf(meta)  # type: ignore[arg-type]

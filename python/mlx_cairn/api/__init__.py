@@ -1,4 +1,4 @@
-"""The HTTP server: app factory, auth gate, dialect routes (DESIGN.md §1, §6).
+"""The HTTP server: app factory, auth gate, dialect routes (docs/design.md §1, §6).
 
 Example::
 
@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from mlx_cairn.api.app import create_app
     from mlx_cairn.api.registry import ModelRegistry
-    from mlx_cairn.api.state import ServerConfig
+    from mlx_cairn.api.settings import ServerConfig
 
 __all__ = ["ModelRegistry", "ServerConfig", "create_app"]
 
@@ -30,7 +30,7 @@ def __getattr__(name: str) -> Any:
 
         return ModelRegistry
     if name == "ServerConfig":
-        from mlx_cairn.api.state import ServerConfig
+        from mlx_cairn.api.settings import ServerConfig
 
         return ServerConfig
     raise AttributeError(f"module 'mlx_cairn.api' has no attribute {name!r}")

@@ -10,8 +10,8 @@ from starlette.responses import Response
 
 from mlx_cairn.api.dialects import Dialect, ModelInfo
 from mlx_cairn.api.registry import ServedModel
-from mlx_cairn.api.runner import count_prompt_tokens, serve_generation, serve_render
-from mlx_cairn.api.state import AppState, app_state, json_response, read_json
+from mlx_cairn.api.respond import count_prompt_tokens, serve_generation, serve_render
+from mlx_cairn.api.settings import AppState, app_state, json_response, read_json
 from mlx_cairn.errors import error_kind
 from mlx_cairn.protocol.anthropic import (
     AnthropicRequest,

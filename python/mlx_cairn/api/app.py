@@ -42,7 +42,7 @@ from mlx_cairn.api.dialects import Dialect, DialectSet, error_response, log_safe
 from mlx_cairn.api.metrics import install as install_metrics
 from mlx_cairn.api.openapi import install as install_openapi
 from mlx_cairn.api.registry import ModelRegistry
-from mlx_cairn.api.state import AppState, ServerConfig, app_state, json_response
+from mlx_cairn.api.settings import AppState, ServerConfig, app_state, json_response
 from mlx_cairn.errors import CairnError, kind_for_status
 
 log = logging.getLogger("mlx_cairn.api")

@@ -1,7 +1,7 @@
 """The one auth gate in front of every route, plus the request-body limit.
 
 :class:`Gate` is plain ASGI middleware wrapped around the whole app, so a
-route added later cannot bypass it. Rules (DESIGN.md §6):
+route added later cannot bypass it. Rules (docs/design.md §6):
 
 - no token configured: everything is open;
 - ``x-api-key`` is read first; if absent, ``Authorization: Bearer <token>``

@@ -9,7 +9,7 @@ A request goes::
       -> wait, cancelled if the client leaves  ->  cut to dimensions  ->  JSON
 
 Wire format: :mod:`mlx_cairn.protocol.embeddings`; the engine:
-:mod:`mlx_cairn.engine.embedding`.
+:mod:`mlx_cairn.engine.embedder`.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from starlette.types import Receive, Scope, Send
 
 from mlx_cairn.api.dialects import Dialect
 from mlx_cairn.api.metrics import CLIENT_GONE_SCOPE_KEY
-from mlx_cairn.api.state import AppState, app_state, json_response, read_json
+from mlx_cairn.api.settings import AppState, app_state, json_response, read_json
 from mlx_cairn.errors import CairnError
 from mlx_cairn.models.embedding import EmbeddingModel, model_kind, not_an_embedding_model
 from mlx_cairn.protocol.base import check_depth

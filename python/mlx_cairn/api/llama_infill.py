@@ -13,8 +13,8 @@ from fastapi import APIRouter, Request
 from starlette.responses import Response
 
 from mlx_cairn.api.dialects import Dialect
-from mlx_cairn.api.runner import serve_generation
-from mlx_cairn.api.state import AppState
+from mlx_cairn.api.respond import serve_generation
+from mlx_cairn.api.settings import AppState
 from mlx_cairn.protocol.llama_infill import (
     InfillCodec,
     InfillRequest,

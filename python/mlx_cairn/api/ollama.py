@@ -39,8 +39,8 @@ from starlette.responses import Response
 from mlx_cairn import __version__
 from mlx_cairn.api.dialects import Dialect
 from mlx_cairn.api.registry import ModelRegistry, ServedModel
-from mlx_cairn.api.runner import serve_generation
-from mlx_cairn.api.state import AppState, app_state, json_response, read_json
+from mlx_cairn.api.respond import serve_generation
+from mlx_cairn.api.settings import AppState, app_state, json_response, read_json
 from mlx_cairn.errors import InvalidRequest, ModelNotFound, NotSupported
 from mlx_cairn.protocol.base import check_depth, required_model
 from mlx_cairn.protocol.images import ImageReader, takes_images

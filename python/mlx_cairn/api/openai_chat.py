@@ -14,8 +14,8 @@ from starlette.responses import Response
 
 from mlx_cairn.api.dialects import Dialect
 from mlx_cairn.api.registry import ServedModel
-from mlx_cairn.api.runner import serve_generation, serve_render
-from mlx_cairn.api.state import AppState
+from mlx_cairn.api.respond import serve_generation, serve_render
+from mlx_cairn.api.settings import AppState
 from mlx_cairn.protocol.images import ImageReader
 from mlx_cairn.protocol.openai_chat import ChatCodec, OpenAIChatRequest, parse_chat_request
 from mlx_cairn.protocol.openai_common import error_body, models_body

@@ -20,7 +20,7 @@ from starlette.responses import Response
 
 from mlx_cairn.api.choices import ChoiceStreams
 from mlx_cairn.api.dialects import Dialect
-from mlx_cairn.api.runner import (
+from mlx_cairn.api.respond import (
     Generation,
     GenerationResponse,
     prepare_generation,
@@ -28,7 +28,7 @@ from mlx_cairn.api.runner import (
     serve_generation,
     serve_render,
 )
-from mlx_cairn.api.state import AppState
+from mlx_cairn.api.settings import AppState
 from mlx_cairn.protocol.base import Codec
 from mlx_cairn.protocol.openai_common import error_body, models_body
 from mlx_cairn.protocol.openai_completions import (

@@ -35,8 +35,9 @@ from starlette.responses import Response
 
 from mlx_cairn.api.dialects import Dialect
 from mlx_cairn.api.registry import ServedModel
-from mlx_cairn.api.runner import serve_generation
-from mlx_cairn.api.state import AppState, app_state, json_response
+from mlx_cairn.api.respond import serve_generation
+from mlx_cairn.api.settings import AppState, app_state, json_response
+from mlx_cairn.protocol.frames import json_bytes
 from mlx_cairn.protocol.images import ImageReader, strip_marks
 from mlx_cairn.protocol.openai_common import error_body, models_body
 from mlx_cairn.protocol.openai_responses import (
@@ -46,7 +47,6 @@ from mlx_cairn.protocol.openai_responses import (
     parse_responses_request,
 )
 from mlx_cairn.protocol.openai_responses_stream import ResponsesCodec
-from mlx_cairn.protocol.sse import json_bytes
 from mlx_cairn.types import Message
 
 #: Most responses kept for ``previous_response_id`` (the oldest goes first).

@@ -68,7 +68,7 @@ log = logging.getLogger("mlx_cairn.api")
 #: Loads and unloads (info lines; the api logger keeps to errors and refusals).
 life_log = logging.getLogger("mlx_cairn.models.lifecycle")
 
-#: Name of the embedded default model (DESIGN.md §5).
+#: Name of the embedded default model (docs/design.md §5).
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 
 #: File suffixes dropped to form a second name (``model.gguf`` is also ``model``).
@@ -931,7 +931,7 @@ def _default_loader(source: str | None) -> Any:
 
 def _default_engine_factory(loaded: Any) -> Any:  # replaced by serve() with its flags
     if getattr(loaded, "kind", None) == "embedding":  # models/embedding.py
-        from mlx_cairn.engine.embedding import EmbeddingEngine
+        from mlx_cairn.engine.embedder import EmbeddingEngine
 
         return EmbeddingEngine(loaded)
     from mlx_cairn.engine import Engine

@@ -1,4 +1,4 @@
-"""Chat templates, tokenizer wrapper and prompt building (DESIGN.md §1).
+"""Chat templates, tokenizer wrapper and prompt building (docs/design.md §1).
 
 Example::
 

@@ -1,4 +1,4 @@
-"""The serving engine: continuous batching over a paged KV cache (DESIGN.md §1, §4).
+"""The serving engine: continuous batching over a paged KV cache (docs/design.md §1, §4).
 
 Example::
 

@@ -1,4 +1,4 @@
-"""One model over several ranks with MLX distributed (``mx.distributed``; DESIGN.md §8).
+"""One model over several ranks with MLX distributed (``mx.distributed``; docs/design.md §8).
 
 Rank 0 owns HTTP, admission, the scheduler, the block pool and the prefix
 table, and samples. Every rank holds its shard of the weights (mlx-lm's
@@ -49,8 +49,8 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 
+from mlx_cairn.engine.model_runner import ModelRunner, SampledStep, StepOutput
 from mlx_cairn.engine.paged import KVPools, PagedKVCache
-from mlx_cairn.engine.runner import ModelRunner, SampledStep, StepOutput
 from mlx_cairn.errors import ModelLoadError, ModelUnavailable
 from mlx_cairn.types import Error
 

@@ -40,22 +40,22 @@ from mlx_cairn.constrain import GrammarMask
 from mlx_cairn.engine import prepare as _prep
 from mlx_cairn.engine.disk import DiskTier, stable_seed
 from mlx_cairn.engine.draft import DraftModel, same_vocabulary
+from mlx_cairn.engine.hybrid_state import DEFAULT_INTERVAL_BLOCKS, StateSlots
 from mlx_cairn.engine.kv_events import KVEventPublisher
 from mlx_cairn.engine.logits import masks_for
-from mlx_cairn.engine.paged import KVPools, LayerSpec, pool_blocks
-from mlx_cairn.engine.paged_quant import DEFAULT_KV_GROUP_SIZE, check_kv_quant
-from mlx_cairn.engine.paged_quant import block_bytes as quant_block_bytes
-from mlx_cairn.engine.runner import (
+from mlx_cairn.engine.model_runner import (
     ModelRunner,
     SampledStep,
     StepOutput,
     merge_outputs,
     read_verified,
 )
+from mlx_cairn.engine.paged import KVPools, LayerSpec, pool_blocks
+from mlx_cairn.engine.paged_quant import DEFAULT_KV_GROUP_SIZE, check_kv_quant
+from mlx_cairn.engine.paged_quant import block_bytes as quant_block_bytes
 from mlx_cairn.engine.scheduler import Scheduler, StepPlan
 from mlx_cairn.engine.sequence import PreparedRequest, Sequence
 from mlx_cairn.engine.speculate import RowSpec
-from mlx_cairn.engine.state import DEFAULT_INTERVAL_BLOCKS, StateSlots
 from mlx_cairn.engine.stats import EngineStats
 from mlx_cairn.engine.stream import RequestStream
 from mlx_cairn.engine.update import RowResult, StateUpdate
@@ -124,7 +124,7 @@ class Engine:
             the budget, goes with its chunk).
         kv_dtype: pool dtype; default fp32 on CPU, the model's dtype otherwise.
         state_snapshots: models with recurrent layers (hybrids): prefix snapshots
-            of their state kept at most (engine/state.py). Default: what
+            of their state kept at most (engine/hybrid_state.py). Default: what
             :data:`DEFAULT_SNAPSHOT_BYTES` holds (at least 4, at most 256); with
             ``kv_cache_gb`` the snapshots' memory is taken from that budget.
         snapshot_interval: snapshot points every this many blocks of a prompt.
@@ -1042,7 +1042,7 @@ def _id_runs(ids: list[int]) -> list[tuple[int, int, int]]:
 
 
 def _layer_specs(model: Any) -> list[LayerSpec]:
-    """A model's per-layer KV specs (DESIGN.md §4): mlx-lm models give their layers'
+    """A model's per-layer KV specs (docs/design.md §4): mlx-lm models give their layers'
     shapes and windows; a uniform model gives one shape for all layers."""
     specs = getattr(model, "layer_specs", None)
     if specs:

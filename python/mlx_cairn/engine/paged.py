@@ -1,4 +1,4 @@
-"""Paged KV pools on MLX and the per-step cache view the architectures call (DESIGN.md §4).
+"""Paged KV pools on MLX and the per-step cache view the architectures call (docs/design.md §4).
 
 Each layer owns a K pool and a V pool shaped ``[num_blocks, block_size,
 kv_heads, head_dim]``. A sequence's KV lives in the blocks of its block table
@@ -21,7 +21,7 @@ fixed-size state per sequence instead of KV rows. Their arrays live in state
 slots, ``[num_slots, *entry shape]`` per state entry; slot 0 is all zeros (a
 fresh sequence reads it). A step reads each row's state from one slot and
 writes the new state to one or more slots (its own, and a snapshot slot when
-the row ends on a snapshot point; see engine/state.py)::
+the row ends on a snapshot point; see engine/hybrid_state.py)::
 
     read   pools.state[layer][e][read_slots]          -> [B, *shape] (mlx-lm ArraysCache)
     write  pools.state[layer][e][write_slot] = new[b]  (after the whole graph is built)

@@ -24,7 +24,7 @@ from collections.abc import Sequence
 import mlx.core as mx
 import numpy as np
 
-from mlx_cairn.models import cpu_kernels
+from mlx_cairn.backends.cpu import kernels as cpu_kernels
 from mlx_cairn.types import GREEDY_BELOW_TEMPERATURE, SamplingParams
 
 _SEED_MASK = (1 << 63) - 1

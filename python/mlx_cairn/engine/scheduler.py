@@ -57,7 +57,7 @@ Each sequence keeps its chained block hashes (``Sequence.block_hashes``) and
 extends them by the newly full blocks only, so a long generation hashes each
 token once instead of re-hashing its whole prefix whenever a block fills.
 
-Models with recurrent layers (``states``, engine/state.py) also get two state
+Models with recurrent layers (``states``, engine/hybrid_state.py) also get two state
 slots per admitted sequence; a prefix hit only counts up to the longest block
 whose state snapshot exists, and prefill chunks are cut at the snapshot points
 so the state there is written to a snapshot slot.
@@ -82,8 +82,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from mlx_cairn.engine.hybrid_state import StateSlots
 from mlx_cairn.engine.sequence import Sequence
-from mlx_cairn.engine.state import StateSlots
 
 #: Draft tokens one step scores at most, shared out among its running rows
 #: (speculative decoding; bench/bench_speculative.py: at 8 rows, 2 draft tokens

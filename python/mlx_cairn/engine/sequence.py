@@ -92,7 +92,7 @@ class Sequence:
     admit_hashes: Any = None
     #: Prompt tokens served from the prefix cache at first admission.
     cached_tokens: int = -1
-    # Recurrent state (hybrid models, engine/state.py); 0 = no slot.
+    # Recurrent state (hybrid models, engine/hybrid_state.py); 0 = no slot.
     #: The sequence's live state slot and its last-block-boundary slot.
     state_slot: int = 0
     boundary_slot: int = 0
@@ -100,7 +100,7 @@ class Sequence:
     #: prefix hit's snapshot (0: zeros, a fresh start).
     state_read: int = 0
     #: Where the prefix hit in the KV cache ended past the longest snapshot, in
-    #: blocks (a snapshot point, engine/state.py; 0: none).
+    #: blocks (a snapshot point, engine/hybrid_state.py; 0: none).
     branch_blocks: int = 0
     #: The block ids of that KV hit (the blocks the prefix cache keeps for them).
     hit_ids: list[int] = field(default_factory=list)

@@ -24,9 +24,9 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from mlx_cairn.engine.model_runner import SampledStep, StepOutput
 from mlx_cairn.engine.output import SequenceOutput, token_text
 from mlx_cairn.engine.reasoning import ReasoningBudget
-from mlx_cairn.engine.runner import SampledStep, StepOutput
 from mlx_cairn.engine.scheduler import RowPlan, Scheduler, StepPlan
 from mlx_cairn.engine.sequence import Sequence
 from mlx_cairn.types import (

@@ -1,4 +1,4 @@
-"""Model loading and architectures (DESIGN.md §1).
+"""Model loading and architectures (docs/design.md §1).
 
 Example::
 

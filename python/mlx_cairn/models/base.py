@@ -18,7 +18,7 @@ In every attention layer the architecture projects q, k, v, applies RoPE at
     out = mx.fast.scaled_dot_product_attention(q, k_all, v_all, scale=..., mask=mask)
 
 The contiguous cache (one sequence, the reference loop) and the paged cache
-(engine: many sequences over block pools, DESIGN.md §4) both implement it, so
+(engine: many sequences over block pools, docs/design.md §4) both implement it, so
 the architecture code is shared and untouched by paging.
 
 A model returns hidden states; ``model.logits(h)`` applies the final head, so

@@ -397,11 +397,9 @@ def _load_decoder(folder: Path, config: dict[str, Any], dtype: str) -> tuple[nn.
         zoo.dequantize_model(backbone, compute)
     zoo.cast_floats(backbone, compute)
     mx.eval(backbone.parameters())
-    if compute == mx.float32 and mx.default_device() == mx.cpu:
-        from mlx_cairn.models import cpu_attention, cpu_kernels
+    from mlx_cairn.backends import cpu
 
-        cpu_attention.install(backbone)
-        cpu_kernels.install(backbone)
+    cpu.install(backbone, compute, layout=False)
     return backbone, dtype_name(compute)
 
 

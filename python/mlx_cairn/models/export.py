@@ -18,7 +18,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 
-from mlx_cairn.models.cpu_layout import dense_parameters, hf_parameters
+from mlx_cairn.backends.cpu.layout import dense_parameters, hf_parameters
 from mlx_cairn.models.llama import LlamaModel
 from mlx_cairn.models.loaded import LoadedModel
 from mlx_cairn.models.zoo import ZooModel, build_model

@@ -21,10 +21,10 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 
+from mlx_cairn.backends.cpu import kernels as cpu_kernels
+from mlx_cairn.backends.cpu.attention import attention
 from mlx_cairn.errors import ModelLoadError
-from mlx_cairn.models import cpu_kernels
 from mlx_cairn.models.base import KVCache
-from mlx_cairn.models.cpu_attention import attention
 
 #: ``model_type`` values this module implements.
 SUPPORTED_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2", "qwen3"})

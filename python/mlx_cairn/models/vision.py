@@ -465,7 +465,7 @@ def _route_quantized_kv(lm: nn.Module) -> int:
 
     from mlx_lm.models.base import scaled_dot_product_attention as quantized_aware
 
-    from mlx_cairn.models.cpu_kernels import model_modules
+    from mlx_cairn.backends.cpu.kernels import model_modules
 
     patched = 0
     for name in sorted(model_modules(lm)):
@@ -554,14 +554,11 @@ def load_vision_model(
     cast_floats(vlm, compute)
     mx.eval(vlm.parameters())
     _route_quantized_kv(vlm.language_model)
-    if compute == mx.float32 and mx.default_device() == mx.cpu:
-        from mlx_cairn.models import cpu_attention
-        from mlx_cairn.models.cpu_layout import apply_cpu_layout_generic
+    from mlx_cairn.backends import cpu
 
-        # The language model's dense linears in the layout the CPU multiplies fastest,
-        # and its attention on the CPU softmax kernel (as for text models).
-        apply_cpu_layout_generic(vlm.language_model)
-        cpu_attention.install(vlm.language_model, prefix="mlx_vlm.models.")
+    # The language model's dense linears in the layout the CPU multiplies fastest,
+    # and its attention on the CPU softmax kernel (as for text models).
+    cpu.install(vlm.language_model, compute, prefix="mlx_vlm.models.", activations=False)
     _materialize_everything(vlm)
     vlm.eval()
     vision = Vision(vlm, processor, model_type)

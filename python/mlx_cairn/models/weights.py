@@ -19,8 +19,8 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 
+from mlx_cairn.backends.cpu import layout as cpu_layout
 from mlx_cairn.errors import ModelLoadError
-from mlx_cairn.models import cpu_layout
 from mlx_cairn.models.llama import LlamaModel
 
 _DTYPES = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}

@@ -1,4 +1,4 @@
-"""mlx-lm's architectures, unmodified, over our caches (DESIGN.md §4, issue 14).
+"""mlx-lm's architectures, unmodified, over our caches (docs/design.md §4, issue 14).
 
 The model class for a ``config.json`` comes from ``mlx_lm.models.<model_type>``
 (with mlx-lm's own remaps); its weights load through mlx-lm's sanitize and
@@ -199,7 +199,7 @@ def load_folder(folder: Path) -> tuple[nn.Module, dict[str, Any]]:
 def dequantize_model(model: nn.Module, dtype: mx.Dtype) -> int:
     """Replace quantized linears, embeddings and expert stacks by dense ``dtype`` ones.
 
-    On the CPU backend fp32 is the fast path (DESIGN.md §5). Modules of other
+    On the CPU backend fp32 is the fast path (docs/design.md §5). Modules of other
     quantized kinds stay as they are. Returns the number of modules replaced.
     """
     from mlx_lm.models.switch_layers import QuantizedSwitchLinear, SwitchLinear
@@ -566,13 +566,9 @@ def finish(
         dequantize_model(model, compute)
     cast_floats(model, compute)
     mx.eval(model.parameters())
-    if compute == mx.float32 and mx.default_device() == mx.cpu:
-        from mlx_cairn.models import cpu_attention, cpu_kernels
-        from mlx_cairn.models.cpu_layout import apply_cpu_layout_generic
+    from mlx_cairn.backends import cpu
 
-        apply_cpu_layout_generic(model)
-        cpu_attention.install(model)
-        cpu_kernels.install(model)
+    cpu.install(model, compute)
     return ZooModel(model, config)
 
 

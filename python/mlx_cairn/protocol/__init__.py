@@ -1,1 +1,1 @@
-"""mlx_cairn.protocol (see DESIGN.md §1)."""
+"""mlx_cairn.protocol (see docs/design.md §1)."""

@@ -1,6 +1,6 @@
 """Events -> Anthropic Messages stream events, and the fold into one Message.
 
-Wire order (DESIGN.md §6)::
+Wire order (docs/design.md §6)::
 
     message_start (usage: input_tokens, cache_read_input_tokens)   on Admitted
       content_block_start / content_block_delta* / content_block_stop   (index 0, 1, ...)
@@ -40,7 +40,7 @@ from mlx_cairn.protocol.base import (
     timings_body,
     tool_call_as_text,
 )
-from mlx_cairn.protocol.sse import frame
+from mlx_cairn.protocol.frames import frame
 from mlx_cairn.types import (
     Admitted,
     Done,

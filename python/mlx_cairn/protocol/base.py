@@ -1,4 +1,4 @@
-"""The dialect-neutral encoder/fold interface (DESIGN.md §1).
+"""The dialect-neutral encoder/fold interface (docs/design.md §1).
 
 Every dialect turns one request's Event stream into a list of *wire events*:
 ``(name, payload)`` pairs, exactly the frames a streaming client receives
@@ -13,7 +13,7 @@ same wire events into one body. There is no second code path, so
         wire += codec.feed(ev)
     body = codec.fold(wire)                     # the JSON response
 
-A dialect implements :class:`Codec`; the runner in :mod:`mlx_cairn.api.runner`
+A dialect implements :class:`Codec`; the runner in :mod:`mlx_cairn.api.respond`
 does the rest (pings, disconnects, headers, errors).
 """
 
@@ -29,7 +29,7 @@ from typing import Any, Protocol
 import orjson
 
 from mlx_cairn.errors import InvalidRequest
-from mlx_cairn.protocol.sse import comment, frame, json_bytes
+from mlx_cairn.protocol.frames import comment, frame, json_bytes
 from mlx_cairn.types import Event, Timings, ToolCall, Usage
 
 #: One frame of a dialect's stream: (SSE event name or None, JSON payload or raw str).

@@ -38,9 +38,9 @@ from typing import Any
 
 from mlx_cairn.errors import InvalidRequest, error_kind
 from mlx_cairn.protocol.base import WireEvent, fail
+from mlx_cairn.protocol.frames import comment
 from mlx_cairn.protocol.openai_common import opt_bool, stop_list
 from mlx_cairn.protocol.sampling import integer, number
-from mlx_cairn.protocol.sse import comment
 from mlx_cairn.types import (
     MAX_REPETITION_PENALTY,
     MAX_SEED,

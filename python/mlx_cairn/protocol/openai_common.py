@@ -35,8 +35,8 @@ from mlx_cairn.protocol.base import (
     short,
     speculative_switch,
 )
+from mlx_cairn.protocol.frames import comment
 from mlx_cairn.protocol.images import ImageReader
-from mlx_cairn.protocol.sse import comment
 from mlx_cairn.types import (
     IMAGE_MARK,
     MAX_STOP_SEQUENCE_CHARS,

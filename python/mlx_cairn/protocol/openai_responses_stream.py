@@ -42,6 +42,7 @@ from typing import Any
 
 from mlx_cairn.errors import error_kind
 from mlx_cairn.protocol.base import WireEvent, speculative_usage, timings_body, tool_call_as_text
+from mlx_cairn.protocol.frames import comment
 from mlx_cairn.protocol.openai_common import (
     CallIds,
     LogprobHold,
@@ -49,7 +50,6 @@ from mlx_cairn.protocol.openai_common import (
     json_object,
     new_id,
 )
-from mlx_cairn.protocol.sse import comment
 from mlx_cairn.types import (
     Done,
     Error,

@@ -1,7 +1,7 @@
 //! `cblas_sgemm` for MLX's CPU backend: decode-sized products by
 //! `cairn_blas::sgemm`, every other call forwarded to the BLAS loaded after us.
 //!
-//! `mlx_cairn/_blas.py` hands OpenBLAS's own entry to [`cairn_blas_set_fallback`],
+//! `mlx_cairn/backends/cpu/blas.py` hands OpenBLAS's own entry to [`cairn_blas_set_fallback`],
 //! then makes this library global before OpenBLAS, so MLX binds its
 //! `cblas_sgemm` here. These are C-ABI exports, not Python functions.
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
@@ -110,7 +110,7 @@ pub unsafe extern "C" fn cblas_sgemm(
     }
     let f = FALLBACK.load(Ordering::Acquire);
     if f == 0 {
-        // `_blas.py` makes this library global only after setting the fallback.
+        // `backends/cpu/blas.py` makes this library global only after setting the fallback.
         std::process::abort();
     }
     // SAFETY: `f` is the address of the BLAS's own `cblas_sgemm` (same signature),

@@ -1,4 +1,4 @@
-//! cairn-kv: the bookkeeping of paged KV memory (DESIGN.md §3). Pure Rust.
+//! cairn-kv: the bookkeeping of paged KV memory (docs/design.md §3). Pure Rust.
 //!
 //! [`BlockPool`] hands out fixed-size block ids with refcounts and keeps an
 //! O(1) LRU free list; its prefix table maps [`BlockHash`]es (chained

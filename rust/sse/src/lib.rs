@@ -1,4 +1,4 @@
-//! cairn-sse: Server-Sent Events framing (DESIGN.md §3). Pure Rust.
+//! cairn-sse: Server-Sent Events framing (docs/design.md §3). Pure Rust.
 //!
 //! The encoder writes frames that every WHATWG-conforming client decodes to
 //! the same event: an `event:` line whenever a name is given (the Anthropic

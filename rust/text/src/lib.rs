@@ -1,5 +1,5 @@
 //! cairn-text: the streaming text core between the model and the wire
-//! (DESIGN.md §3). Pure Rust, no pyo3.
+//! (docs/design.md §3). Pure Rust, no pyo3.
 //!
 //! - [`StopScanner`]: many stop sequences at once, earliest completed match
 //!   wins, trailing partial matches held back.

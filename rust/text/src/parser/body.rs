@@ -15,7 +15,7 @@
 //!
 //! Every family also ends at the end of the stream. Inside a string only
 //! end-of-turn markers are looked up, and dropped: they never reach a
-//! segment (DESIGN.md §3), but they do not end the call either.
+//! segment (docs/design.md §3), but they do not end the call either.
 //!
 //! [`JsonScan`]: crate::json_scan::JsonScan
 //! [`tagged_close_ends`]: toolcall::tagged_close_ends

@@ -23,8 +23,8 @@ from mlx.utils import tree_flatten
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders, models, pre_tokenizers, processors, trainers
 
-from mlx_cairn.models.testing import _CORPUS, random_weights, tiny_tokenizer
-from mlx_cairn.models.tiny_configs import tiny_config
+from mlx_cairn.testing.models import _CORPUS, random_weights, tiny_tokenizer
+from mlx_cairn.testing.tiny_configs import tiny_config
 
 #: The families :func:`save_tiny_embedding` writes.
 TINY_EMBEDDERS = ("bert", "xlm_roberta", "modernbert", "qwen3")

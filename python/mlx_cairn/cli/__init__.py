@@ -45,10 +45,10 @@ def _lazy(name: str, help: str, module: str) -> Callable[[argparse._SubParsersAc
 
 
 _SUBCOMMANDS.append(
-    _lazy("serve", "serve models over the Anthropic (and OpenAI) HTTP APIs", "mlx_cairn.api.server")
+    _lazy("serve", "serve models over the Anthropic (and OpenAI) HTTP APIs", "mlx_cairn.cli.serve")
 )
 _SUBCOMMANDS.append(
-    _lazy("generate", "stream one chat answer to the terminal", "mlx_cairn.chat.generate_cli")
+    _lazy("generate", "stream one chat answer to the terminal", "mlx_cairn.cli.generate")
 )
 
 

@@ -2,7 +2,7 @@
 
 Example::
 
-    from mlx_cairn.models.testing import tiny_model
+    from mlx_cairn.testing.models import tiny_model
     lm = tiny_model("qwen3", seed=0)     # a LoadedModel, ready in milliseconds
     ids = lm.prompt(ChatRequest(messages=[Message("user", "Hi")])).ids
 
@@ -153,13 +153,13 @@ def tiny_model(arch: Arch = "llama", seed: int = 0, *, noise: float = 0.0) -> Lo
 
 
 def tiny_zoo_model(model_type: str, seed: int = 0, **overrides: Any) -> LoadedModel:
-    """A random-weight mlx-lm ``model_type`` (:mod:`mlx_cairn.models.tiny_configs`) as a LoadedModel.
+    """A random-weight mlx-lm ``model_type`` (:mod:`mlx_cairn.testing.tiny_configs`) as a LoadedModel.
 
     The model is mlx-lm's own class, wrapped by :class:`mlx_cairn.models.zoo.ZooModel`;
     ``overrides`` replace config entries.
     """
-    from mlx_cairn.models.tiny_configs import tiny_config
     from mlx_cairn.models.zoo import ZooModel, build_model
+    from mlx_cairn.testing.tiny_configs import tiny_config
 
     config = {**tiny_config(model_type), **overrides}
     inner = build_model(config, None)
@@ -188,7 +188,7 @@ def mlx_lm_greedy(inner: Any, prompt: list[int], max_tokens: int, eos: set[int])
     prompt at once, argmax (the reference the engine is compared with; EOS kept)."""
     from mlx_lm.models.cache import make_prompt_cache
 
-    from mlx_cairn.models import cpu_attention
+    from mlx_cairn.backends.cpu import attention as cpu_attention
 
     out: list[int] = []
     with cpu_attention.disabled():  # mlx-lm's own attention, even in patched modules

@@ -1,7 +1,7 @@
 """Building llguidance Lark grammars as text: named rules, literals, special tokens, regexes.
 
-Used by :mod:`mlx_cairn.tool_grammars` (one table of tool-call syntaxes) and
-:mod:`mlx_cairn.tool_values` (how argument values are written). Two facts of
+Used by :mod:`mlx_cairn.constrain.tool_grammars` (one table of tool-call syntaxes) and
+:mod:`mlx_cairn.constrain.tool_values` (how argument values are written). Two facts of
 llguidance's lexer shape everything here:
 
 - A lexeme is greedy: text that may go on (a raw value) cannot be followed

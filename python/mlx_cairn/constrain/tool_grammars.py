@@ -6,7 +6,7 @@ reads (``rust/text``: ``parser.rs``, ``toolcall.rs``, ``formats/``), as the
 chat templates write it, so the parser turns the output into the call the
 grammar allowed. :data:`SYNTAXES` is the one table: for each family, the tag
 that opens its calls, what comes around and between calls, and how one call
-is written; :mod:`mlx_cairn.tool_values` says how its argument values are::
+is written; :mod:`mlx_cairn.constrain.tool_values` says how its argument values are::
 
     family       calls                                                            values
     hermes       <tool_call>\\n{"name": N, "arguments": {..}}\\n</tool_call>        JSON
@@ -40,8 +40,8 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from mlx_cairn.lark_text import Rules, Schema, listing, q, token_ranges, without
-from mlx_cairn.tool_values import (
+from mlx_cairn.constrain.lark_text import Rules, Schema, listing, q, token_ranges, without
+from mlx_cairn.constrain.tool_values import (
     GEMMA,
     IDENT,
     PYTHON,

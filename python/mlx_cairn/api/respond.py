@@ -66,12 +66,12 @@ from starlette.types import Receive, Scope, Send
 from mlx_cairn.api.dialects import Dialect, error_response
 from mlx_cairn.api.metrics import CLIENT_GONE_SCOPE_KEY, observe_event
 from mlx_cairn.api.registry import ModelLease, ServedModel
-from mlx_cairn.api.state import AppState, app_state, json_response, read_json
+from mlx_cairn.api.settings import AppState, app_state, json_response, read_json
 from mlx_cairn.errors import CairnError, ContextLengthExceeded, error_kind
 from mlx_cairn.models.embedding import model_kind, not_a_chat_model
 from mlx_cairn.protocol.base import Codec, Framing, WireEvent, check_depth, framing_of
+from mlx_cairn.protocol.frames import json_bytes
 from mlx_cairn.protocol.images import fetch_pending, has_images, refuse_images, strip_marks
-from mlx_cairn.protocol.sse import json_bytes
 from mlx_cairn.types import ChatRequest, Done, Error, Event
 
 log = logging.getLogger("mlx_cairn.api")

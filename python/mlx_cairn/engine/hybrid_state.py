@@ -1,4 +1,4 @@
-"""Recurrent-state slots and prefix snapshots of hybrid models (issue 15, DESIGN.md §4).
+"""Recurrent-state slots and prefix snapshots of hybrid models (issue 15, docs/design.md §4).
 
 Pure bookkeeping (no MLX): the arrays live in ``KVPools.state``. A model with
 recurrent layers (Gated DeltaNet, Mamba, short convolutions) keeps, per

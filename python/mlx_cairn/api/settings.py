@@ -16,8 +16,8 @@ from mlx_cairn.api.connection import DEFAULT_BODY_TIMEOUT, DEFAULT_HEADER_TIMEOU
 from mlx_cairn.api.dialects import DialectSet
 from mlx_cairn.api.registry import ModelRegistry
 from mlx_cairn.errors import InvalidRequest
+from mlx_cairn.protocol.frames import json_bytes
 from mlx_cairn.protocol.images import ImageLimits
-from mlx_cairn.protocol.sse import json_bytes
 
 #: Default request-body limit (Claude Code sends long conversations).
 DEFAULT_MAX_BODY_BYTES = 32 * 1024 * 1024

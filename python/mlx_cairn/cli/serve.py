@@ -35,7 +35,7 @@ if TYPE_CHECKING:
 
 from mlx_cairn.api.connection import DEFAULT_BODY_TIMEOUT, DEFAULT_HEADER_TIMEOUT, http_protocol
 from mlx_cairn.api.registry import DEFAULT_LOAD_WAIT, ModelRegistry
-from mlx_cairn.api.state import (
+from mlx_cairn.api.settings import (
     DEFAULT_MAX_BODY_BYTES,
     DEFAULT_MAX_TOKENS_LIMIT,
     ServerConfig,
@@ -305,7 +305,7 @@ def build(
         from mlx_cairn.engine import Engine
 
         if getattr(loaded, "kind", None) == "embedding":  # models/embedding.py: no KV pool
-            from mlx_cairn.engine.embedding import EmbeddingEngine
+            from mlx_cairn.engine.embedder import EmbeddingEngine
 
             if publisher is not None:
                 log.warning(

@@ -1,4 +1,4 @@
-"""Load an optimized BLAS before MLX on Linux CPU (DESIGN.md §5).
+"""Load an optimized BLAS before MLX on Linux CPU (docs/design.md §5).
 
 The `mlx[cpu]` wheel calls a bundled reference BLAS (about 4 GFLOP/s here).
 Opening OpenBLAS with ``RTLD_GLOBAL`` *before* ``mlx.core`` is imported makes

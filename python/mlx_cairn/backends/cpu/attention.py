@@ -32,7 +32,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from mlx_cairn.models import cpu_kernels
+from mlx_cairn.backends.cpu import kernels as cpu_kernels
 
 _LOG2E = math.log2(math.e)
 #: Query rows per chunk are chosen so one chunk's scores hold about this many floats

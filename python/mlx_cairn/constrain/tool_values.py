@@ -1,6 +1,6 @@
 """How tool-call argument values are written in the syntaxes that are not JSON.
 
-:mod:`mlx_cairn.tool_grammars` writes each family's calls; the values in them
+:mod:`mlx_cairn.constrain.tool_grammars` writes each family's calls; the values in them
 are one of:
 
 - JSON under the value's schema (``%json``, llguidance's compiler): the JSON
@@ -33,7 +33,7 @@ from typing import Any
 
 import orjson
 
-from mlx_cairn.lark_text import (
+from mlx_cairn.constrain.lark_text import (
     Rules,
     Schema,
     counted,

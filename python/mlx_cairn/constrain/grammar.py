@@ -30,8 +30,8 @@ import mlx.core as mx
 import numpy as np
 import orjson
 
-from mlx_cairn import tool_grammars
 from mlx_cairn._core import CompiledGrammar, GrammarMatcher, GrammarVocabulary
+from mlx_cairn.constrain import tool_grammars
 from mlx_cairn.types import OutputFormat, Tool
 
 #: How JSON is written under a grammar: between two tokens of JSON, nothing, one
@@ -175,7 +175,7 @@ def tool_grammar(
     specials: Mapping[str, int] | None = None,
 ) -> str | None:
     """A Lark grammar for one (or, with ``parallel``, one or more) call of ``tools`` in
-    ``family``'s syntax (:data:`mlx_cairn.tool_grammars.SYNTAXES`); None when no
+    ``family``'s syntax (:data:`mlx_cairn.constrain.tool_grammars.SYNTAXES`); None when no
     grammar is written for the family. ValueError when a tool cannot be written in it.
 
     ``specials``: the tokenizer's special tokens (text -> id); the family's markers

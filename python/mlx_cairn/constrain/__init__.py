@@ -1,0 +1,51 @@
+"""Grammar-constrained decoding: structured outputs and forced or strict tool calls.
+
+One concern, one package (docs/design.md §2):
+
+- :mod:`~mlx_cairn.constrain.grammar`: the token vocabulary per tokenizer, JSON
+  schemas made interoperable and closed, and :class:`GrammarMask`, the engine's
+  row-mask seam over the Rust ``cairn-constrain`` crate (llguidance);
+- :mod:`~mlx_cairn.constrain.tool_grammars`: a tool call in each parser family's
+  own syntax, as an llguidance Lark grammar;
+- :mod:`~mlx_cairn.constrain.tool_values`: argument values in the syntaxes that
+  are not JSON;
+- :mod:`~mlx_cairn.constrain.lark_text`: building Lark grammar text.
+
+Example::
+
+    from mlx_cairn import constrain
+    vocab = constrain.vocabulary(loaded)
+    compiled = vocab.compile_json_schema('{"type": "object"}')
+"""
+
+from mlx_cairn.constrain.grammar import (
+    GRAMMAR_FAMILIES,
+    OPEN_TAGS,
+    CompiledGrammar,
+    GrammarMask,
+    GrammarVocabulary,
+    check_schema,
+    closed,
+    either,
+    output_schema,
+    strict_tools_grammar,
+    styled,
+    tool_grammar,
+    vocabulary,
+)
+
+__all__ = [
+    "GRAMMAR_FAMILIES",
+    "OPEN_TAGS",
+    "CompiledGrammar",
+    "GrammarMask",
+    "GrammarVocabulary",
+    "check_schema",
+    "closed",
+    "either",
+    "output_schema",
+    "strict_tools_grammar",
+    "styled",
+    "tool_grammar",
+    "vocabulary",
+]
