@@ -34,8 +34,8 @@ import mlx.core as mx
 # isort: on
 from mlx_cairn.engine import Engine
 from mlx_cairn.engine import logits as L
-from mlx_cairn.engine.prepare import vocab_size
 from mlx_cairn.models import load
+from mlx_cairn.models.loaded import vocab_size
 from mlx_cairn.types import ChatRequest, Done, Message, SamplingParams
 
 TOPICS = ["a lighthouse", "bread", "Mars", "a jazz trio", "volcanoes", "bees", "the sea", "chess"]

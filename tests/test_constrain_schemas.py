@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 
 from mlx_cairn import constrain
 from mlx_cairn.constrain import GrammarMask
-from mlx_cairn.engine.prepare import compile_grammar
+from mlx_cairn.constrain.request import compile_grammar
 from mlx_cairn.errors import InvalidRequest
 from mlx_cairn.testing.models import tiny_model
 from mlx_cairn.types import ChatRequest, Message, OutputFormat

@@ -32,6 +32,7 @@ import orjson
 
 from mlx_cairn._core import CompiledGrammar, GrammarMatcher, GrammarVocabulary
 from mlx_cairn.constrain import tool_grammars
+from mlx_cairn.models.loaded import vocab_size
 from mlx_cairn.types import OutputFormat, Tool
 
 #: How JSON is written under a grammar: between two tokens of JSON, nothing, one
@@ -55,8 +56,6 @@ _vocab_lock = threading.Lock()
 
 def vocabulary(loaded: Any) -> GrammarVocabulary:
     """The token trie of ``loaded``'s tokenizer (built on first use, then shared)."""
-    from mlx_cairn.engine.prepare import vocab_size
-
     tok = loaded.tokenizer
     with _vocab_lock:
         v = _vocabularies.get(tok)

@@ -19,9 +19,11 @@ import orjson
 from mlx_cairn import heavy
 from mlx_cairn.chat.fim import fim_stop_ids, is_fim_prompt
 from mlx_cairn.chat.prompt import build_raw_prompt, template_kwargs
+from mlx_cairn.constrain.request import compile_grammar, constrained
 from mlx_cairn.engine.prompt_bound import vocab_bound
 from mlx_cairn.engine.sequence import PreparedRequest
 from mlx_cairn.errors import ContextLengthExceeded, InvalidRequest
+from mlx_cairn.models.loaded import vocab_size
 from mlx_cairn.text import output_family
 from mlx_cairn.types import (
     MAX_LOGIT_BIAS,
@@ -88,15 +90,6 @@ def validate_sampling(s: SamplingParams) -> SamplingParams:
     elif not isinstance(seed, int) or isinstance(seed, bool) or not MIN_SEED <= seed <= MAX_SEED:
         raise bad("seed", f"seed must be a 64-bit integer, got {seed!r}")
     return replace(s, seed=seed)
-
-
-def vocab_size(loaded: Any) -> int:
-    """Width of the model's logits (the model's vocabulary, padding included)."""
-    for owner in (loaded.model, getattr(loaded.model, "args", None)):
-        n = getattr(owner, "vocab_size", None)
-        if isinstance(n, int) and n > 0:
-            return n
-    return int(loaded.tokenizer.vocab_size)
 
 
 def _finite(x: Any) -> bool:
@@ -276,7 +269,7 @@ def prepare(
         tok = loaded.tokenizer
         tags = (tok.encode(info.open_tag), tok.encode(info.close_tag))
     tools_on = request.offers_tools
-    grammar = compile_grammar(loaded, request) if _constrained(request) else None
+    grammar = compile_grammar(loaded, request) if constrained(request) else None
     after: list[int] = []
     if grammar is not None and reasoning and prompt.in_reasoning:
         after = loaded.tokenizer.encode(info.close_tag)
@@ -309,80 +302,3 @@ def _fim_stop_ids(loaded: Any, request: ChatRequest, ids: list[int]) -> frozense
     if raw.suffix is None and not is_fim_prompt(loaded.tokenizer, ids):
         return frozenset()
     return frozenset(fim_stop_ids(loaded.tokenizer))
-
-
-def _forced_tools(request: ChatRequest) -> list[Any] | None:
-    """The tools one of which must be called, or None when no call is forced."""
-    choice = request.tool_choice
-    if not request.offers_tools or choice in (None, "auto"):
-        return None
-    if choice == "required":
-        return list(request.tools)
-    if isinstance(choice, dict):
-        named = [t for t in request.tools if t.name == choice.get("name")]
-        if not named:
-            raise InvalidRequest(
-                f"tool_choice names {choice.get('name')!r}, which is not among the tools",
-                param="tool_choice",
-            )
-        return named
-    return None
-
-
-def _constrained(request: ChatRequest) -> bool:
-    strict = request.offers_tools and any(t.strict for t in request.tools)
-    return strict or request.output_format is not None or _forced_tools(request) is not None
-
-
-def compile_grammar(loaded: Any, request: ChatRequest) -> Any:
-    """The request's grammar, compiled (InvalidRequest naming what does not compile).
-
-    A forced tool call follows the family's tool-call syntax; a structured
-    output follows its schema; with tools offered as well (``auto``), either;
-    ``auto`` with strict tools leaves text free and constrains calls once one
-    opens. Families without a written grammar get no constraint on their calls.
-    """
-    from mlx_cairn import constrain
-
-    vocab = constrain.vocabulary(loaded)
-    family = loaded.parser_family
-    forced = _forced_tools(request)
-    fmt = request.output_format
-    specials = loaded.tokenizer.special_tokens
-    # A named choice is one call of that tool, whatever parallel_tool_calls says:
-    # the turn ends after it (a second call of a tool the client asked for once
-    # is a loop, and agent frameworks would run it twice).
-    parallel = request.parallel_tool_calls and not isinstance(request.tool_choice, dict)
-    param = "tools" if forced is not None else fmt.param if fmt is not None else "tools"
-    try:
-        tools_text = None
-        if forced is not None or (fmt is not None and request.offers_tools):
-            tools_text = constrain.tool_grammar(
-                family,
-                forced if forced is not None else list(request.tools),
-                parallel=parallel,
-                specials=specials,
-            )
-        if fmt is not None:
-            constrain.check_schema(constrain.output_schema(fmt))
-        if forced is not None:
-            if tools_text is None:
-                return None
-            return vocab.compile_lark(tools_text)
-        if fmt is None:  # auto with strict tools: constrained once a call opens
-            lazy = constrain.strict_tools_grammar(
-                family,
-                list(request.tools),
-                parallel=parallel,
-                specials=specials,
-                eos=loaded.eos_token_ids,
-            )
-            return vocab.compile_lark(lazy) if lazy is not None else None
-        schema = constrain.styled(constrain.output_schema(fmt), strict=fmt.strict)
-        if tools_text is None:
-            return vocab.compile_json_schema(schema)
-        return vocab.compile_lark(constrain.either(tools_text, schema))
-    except ValueError as e:
-        raise InvalidRequest(
-            f"the schema cannot be used for constrained decoding: {e}", param=param
-        ) from e

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from mlx_cairn.chat.detect import ReasoningInfo
 from mlx_cairn.chat.prompt import Prompt, build_prompt
@@ -123,3 +123,12 @@ def assemble(
         path=path,
         source_format=source_format,
     )
+
+
+def vocab_size(loaded: Any) -> int:
+    """Width of the model's logits (the model's vocabulary, padding included)."""
+    for owner in (loaded.model, getattr(loaded.model, "args", None)):
+        n = getattr(owner, "vocab_size", None)
+        if isinstance(n, int) and n > 0:
+            return n
+    return int(loaded.tokenizer.vocab_size)
