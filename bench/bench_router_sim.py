@@ -93,8 +93,8 @@ MODEL = "smollm2-sim"
 
 def smollm2_tokenizer() -> Any:
     """The embedded SmolLM2 tokenizer, read from the GGUF header (no weights loaded)."""
+    from mlx_cairn.chat.gguf_tokenizer import tokenizer_from_header
     from mlx_cairn.models.gguf_check import read_header
-    from mlx_cairn.models.gguf_tokenizer import tokenizer_from_header
     from mlx_cairn.models.loader import default_model_path
 
     return tokenizer_from_header(read_header(default_model_path()).metadata)

@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 
 from gguf_fixtures import write_gguf
+from mlx_cairn.chat.gguf_tokenizer import tokenizer_from_header
 from mlx_cairn.models.gguf_check import read_header
-from mlx_cairn.models.gguf_tokenizer import tokenizer_from_header
 from spm_reference import spm_encode
 
 SPECIAL = ["<pad>", "<eos>", "<bos>", "<unk>", "<start_of_turn>", "<end_of_turn>"]

@@ -16,7 +16,7 @@ to single ids.
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers
@@ -153,3 +153,8 @@ def tokenizer_from_gguf(meta: dict[str, Any]) -> Tokenizer:
         unk_token=text("unknown_token_id"),
         add_bos=bool(add_bos.item() if hasattr(add_bos, "item") else (add_bos or False)),
     )
+
+
+def tokenizer_from_header(meta: Mapping[str, Any]) -> Tokenizer:
+    """Tokenizer from GGUF metadata as :func:`~mlx_cairn.models.gguf_check.read_header` returns it."""
+    return tokenizer_from_gguf(dict(meta))

@@ -41,11 +41,11 @@ import numpy as np
 from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from mlx_cairn.chat.builtin_templates import CHATML
+from mlx_cairn.chat.gguf_tokenizer import tokenizer_from_header
 from mlx_cairn.chat.tokenizer import Tokenizer
 from mlx_cairn.errors import ModelLoadError
 from mlx_cairn.models import gguf_arch, hf, zoo
 from mlx_cairn.models.gguf_check import GGUFHeader, TensorInfo, read_header
-from mlx_cairn.models.gguf_tokenizer import tokenizer_from_header
 from mlx_cairn.models.loaded import LoadedModel, assemble
 from mlx_cairn.models.weights import dtype_name, resolve_dtype, weights_identity
 from mlx_cairn.models.zoo import ZooModel
