@@ -20,34 +20,7 @@ Example::
     compiled = vocab.compile_json_schema('{"type": "object"}')
 """
 
-from mlx_cairn.constrain.grammar import (
-    GRAMMAR_FAMILIES,
-    OPEN_TAGS,
-    CompiledGrammar,
-    GrammarMask,
-    GrammarVocabulary,
-    check_schema,
-    closed,
-    either,
-    output_schema,
-    strict_tools_grammar,
-    styled,
-    tool_grammar,
-    vocabulary,
-)
+from mlx_cairn.constrain import grammar
+from mlx_cairn.constrain.grammar import *  # noqa: F403 (the package's API is grammar's __all__)
 
-__all__ = [
-    "GRAMMAR_FAMILIES",
-    "OPEN_TAGS",
-    "CompiledGrammar",
-    "GrammarMask",
-    "GrammarVocabulary",
-    "check_schema",
-    "closed",
-    "either",
-    "output_schema",
-    "strict_tools_grammar",
-    "styled",
-    "tool_grammar",
-    "vocabulary",
-]
+__all__ = list(grammar.__all__)

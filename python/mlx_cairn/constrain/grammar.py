@@ -265,6 +265,7 @@ __all__ = [
     "GrammarMask",
     "GrammarVocabulary",
     "check_schema",
+    "closed",
     "either",
     "output_schema",
     "strict_tools_grammar",
