@@ -43,7 +43,7 @@ def test_context_length_overrides_the_model_and_warns_above_training(
 def test_the_flag_reaches_the_engine() -> None:
     registry, _ = build(args("--context-length", "1000"), {})
     lm = tiny_model("llama")
-    engine: Any = registry._engine_factory(lm)
+    engine: Any = registry.lifecycle.engine_factory(lm)
     with closing_at_rest(engine):
         assert engine.context_length == 1000 == lm.context_length
     with pytest.raises(ServeError, match="--context-length"):
