@@ -43,7 +43,7 @@ def test_context_length_overrides_the_model_and_warns_above_training(
 def test_the_flag_reaches_the_engine() -> None:
     registry, _ = build(args("--context-length", "1000"), {})
     lm = tiny_model("llama")
-    engine: Any = registry._engine_factory(lm)
+    engine: Any = registry.lifecycle.engine_factory(lm)
     with closing_at_rest(engine):
         assert engine.context_length == 1000 == lm.context_length
     with pytest.raises(ServeError, match="--context-length"):
@@ -54,3 +54,17 @@ def test_claude_code_fit_line() -> None:
     small = claude_code_fit("smol", 8192)
     assert "too few" in small and f"--context-length {2 * CLAUDE_CODE_CONTEXT}" in small
     assert "enough" in claude_code_fit("big", 131072)
+
+
+def test_a_kv_pool_that_cannot_be_sized_names_the_flag() -> None:
+    """The pool's sizing refusal is its own type (a ValueError still), and ``build``
+    reports it as the ``--kv-cache-gb`` that does not suit the model."""
+    from mlx_cairn.errors import KVPoolSizeError
+
+    problems: list[str] = []
+    registry, _ = build(args("--kv-cache-gb", "1000000"), {}, problems=problems)
+    lm = tiny_model("llama")
+    with pytest.raises(KVPoolSizeError, match="does not fit") as e:
+        registry.lifecycle.engine_factory(lm)
+    assert isinstance(e.value, ValueError)
+    assert problems and problems[0].startswith("--kv-cache-gb 1e+06 does not suit")

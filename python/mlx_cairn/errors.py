@@ -251,3 +251,9 @@ class NotSupported(CairnError):
 
 class EngineError(CairnError):
     kind = "internal"
+
+
+class KVPoolSizeError(ValueError):
+    """A KV pool that cannot be sized as asked: too few blocks for any request, or
+    more than the available memory (``engine/paged.py``). A ValueError, as every
+    bad engine setting is; ``cairn serve`` names the ``--kv-cache-gb`` it came from."""

@@ -15,6 +15,7 @@ Example::
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -38,6 +39,58 @@ MAX_REPETITION_PENALTY = 10.0
 MAX_LOGIT_BIAS = 100.0
 MAX_LOGIT_BIAS_ENTRIES = 1024
 MAX_TOP_LOGPROBS = 20
+
+
+@dataclass(frozen=True, slots=True)
+class Bound:
+    """The range of one numeric setting: ``lo <= v <= hi`` (``lo < v`` when ``lo_open``),
+    finite, and an ``int`` when ``integer``.
+
+    Example: ``SAMPLING_BOUNDS["top_p"].holds(0)`` is False, ``.describe()`` is
+    ``"in (0, 1]"``.
+    """
+
+    lo: int | float
+    hi: int | float
+    lo_open: bool = False
+    integer: bool = False
+    #: How a refusal words the range, where the bounds alone say it badly.
+    what: str | None = None
+
+    def holds(self, v: Any) -> bool:
+        """Whether ``v`` is in range (bools never are)."""
+        if isinstance(v, bool) or not isinstance(v, int if self.integer else (int, float)):
+            return False
+        if not self.integer and not math.isfinite(v):
+            return False
+        return (self.lo < v if self.lo_open else self.lo <= v) and v <= self.hi
+
+    def describe(self) -> str:
+        """The range in words, after "must be": ``in [0, 1]``, ``an integer in [0, 20]``."""
+        if self.what is not None:
+            return self.what
+        if self.hi == math.inf:
+            return f"a finite number >= {self.lo}"
+        span = f"{'(' if self.lo_open else '['}{self.lo}, {self.hi}]"
+        return f"an integer in {span}" if self.integer else f"in {span}"
+
+
+#: The range of every numeric sampling setting, checked by the engine
+#: (``engine/prepare.py``) and by every dialect's reader (``protocol/sampling.py``)
+#: from this one table. A dialect may lower ``temperature``'s ceiling (Anthropic 1,
+#: OpenAI 2); ``logit_bias`` bounds each value.
+SAMPLING_BOUNDS: dict[str, Bound] = {
+    "temperature": Bound(0, math.inf),
+    "top_p": Bound(0, 1, lo_open=True),
+    "top_k": Bound(0, MAX_TOP_K, integer=True),
+    "min_p": Bound(0, 1),
+    "frequency_penalty": Bound(-MAX_PENALTY, MAX_PENALTY),
+    "presence_penalty": Bound(-MAX_PENALTY, MAX_PENALTY),
+    "repetition_penalty": Bound(0, MAX_REPETITION_PENALTY, lo_open=True),
+    "logit_bias": Bound(-MAX_LOGIT_BIAS, MAX_LOGIT_BIAS),
+    "top_logprobs": Bound(0, MAX_TOP_LOGPROBS, integer=True),
+    "seed": Bound(MIN_SEED, MAX_SEED, integer=True, what="a 64-bit integer"),
+}
 #: Speculative decoding modes the engine and ``cairn serve`` take, and the most
 #: draft tokens per step and row by default (bench/bench_speculative.py) and at most.
 SPECULATIVE_MODES = ("ngram",)

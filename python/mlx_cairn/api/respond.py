@@ -263,7 +263,9 @@ async def prepare_generation(
     """Template, tokenize and check ``chat`` off the event loop (400s raised here).
 
     With ``clamp_max_tokens`` a request whose prompt fits but whose
-    ``max_tokens`` does not is given the room that is left instead of a 400.
+    ``max_tokens`` does not is given the room that is left instead of a 400:
+    the cap in effect is the prepared request's ``max_tokens``; ``chat`` is
+    never changed.
     ``params`` are the request's names for its prompt and its token cap, as a
     context-length error names them. ``context_limit``: the request's own
     context, checked (and clamped to) like the model's where it is smaller.
@@ -279,7 +281,6 @@ async def prepare_generation(
         if not clamp_max_tokens:
             e = e.with_clamp_advice()  # only a max_tokens overflow carries the advice
         raise e from None
-    chat.max_tokens = prepared.max_tokens  # the codecs echo the cap that was used
     return prepared
 
 

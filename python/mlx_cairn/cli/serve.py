@@ -41,6 +41,7 @@ from mlx_cairn.api.settings import (
     ServerConfig,
     cors_origin,
 )
+from mlx_cairn.errors import KVPoolSizeError
 from mlx_cairn.protocol.images import (
     DEFAULT_IMAGE_URL_TIMEOUT,
     DEFAULT_MAX_IMAGE_BYTES,
@@ -343,9 +344,12 @@ def build(
         except ValueError as e:
             from mlx_cairn.engine.paged_quant import KVQuantError
 
-            # The pool is sized from the model's shapes, so this is known only now;
-            # engine/paged.py words every sizing refusal "KV pool ...".
-            if problems is not None and args.kv_cache_gb is not None and "KV pool" in str(e):
+            # The pool is sized from the model's shapes, so this is known only now.
+            if (
+                problems is not None
+                and args.kv_cache_gb is not None
+                and isinstance(e, KVPoolSizeError)
+            ):
                 problems.append(
                     f"--kv-cache-gb {args.kv_cache_gb:g} does not suit {loaded.name}: {e}"
                 )

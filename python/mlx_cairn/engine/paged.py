@@ -44,6 +44,7 @@ from mlx_cairn.engine.paged_quant import (
     quant_pool,
     write_and_gather_quant,
 )
+from mlx_cairn.errors import KVPoolSizeError
 from mlx_cairn.models.base import LayerSpec
 
 #: Fraction of available memory the default pool may take.
@@ -98,8 +99,8 @@ def pool_blocks(
     The default is the smallest of: ``default_tokens`` (e.g. max_batch full
     contexts), :data:`DEFAULT_MAX_BYTES` (raised to ``context_tokens`` when one
     full context needs more) and :data:`DEFAULT_MEMORY_FRACTION` of available
-    memory. Raises ValueError when the pool would not fit in available memory
-    or is too small.
+    memory. Raises KVPoolSizeError (a ValueError) when the pool would not fit in
+    available memory or is too small.
     """
     avail = available_memory_bytes()
     if num_blocks is not None:
@@ -114,12 +115,12 @@ def pool_blocks(
         cap = max(DEFAULT_MAX_BYTES // per_block, one_context)
         want = min(int(avail * DEFAULT_MEMORY_FRACTION) // per_block, enough, cap)
     if want < 2:
-        raise ValueError(
+        raise KVPoolSizeError(
             f"KV pool of {want} blocks is too small ({per_block} bytes per block, "
             f"{avail / 2**30:.1f} GiB available)"
         )
     if want * per_block > avail * MAX_MEMORY_FRACTION:
-        raise ValueError(
+        raise KVPoolSizeError(
             f"KV pool of {want * per_block / 2**30:.2f} GiB does not fit in the "
             f"{avail / 2**30:.2f} GiB of available memory"
         )

@@ -9,7 +9,6 @@ size (:mod:`mlx_cairn.engine.prompt_bound`) before it is tokenized.
 from __future__ import annotations
 
 import contextlib
-import math
 import secrets
 from dataclasses import replace
 from typing import Any
@@ -26,16 +25,10 @@ from mlx_cairn.errors import ContextLengthExceeded, InvalidRequest
 from mlx_cairn.models.loaded import vocab_size
 from mlx_cairn.text import output_family
 from mlx_cairn.types import (
-    MAX_LOGIT_BIAS,
     MAX_LOGIT_BIAS_ENTRIES,
-    MAX_PENALTY,
-    MAX_REPETITION_PENALTY,
-    MAX_SEED,
     MAX_STOP_SEQUENCE_CHARS,
     MAX_STOP_SEQUENCES,
-    MAX_TOP_K,
-    MAX_TOP_LOGPROBS,
-    MIN_SEED,
+    SAMPLING_BOUNDS,
     ChatRequest,
     RawPrompt,
     SamplingParams,
@@ -43,57 +36,48 @@ from mlx_cairn.types import (
 
 
 def validate_sampling(s: SamplingParams) -> SamplingParams:
-    """Check ranges; resolve a missing seed to a random one."""
+    """Check every setting against :data:`~mlx_cairn.types.SAMPLING_BOUNDS`; resolve a
+    missing seed to a random one."""
 
-    def bad(param: str, msg: str) -> InvalidRequest:
-        return InvalidRequest(msg, param=param)
+    def check(name: str, v: Any, param: str | None = None, label: str | None = None) -> None:
+        bound = SAMPLING_BOUNDS[name]
+        if not bound.holds(v):
+            raise InvalidRequest(
+                f"{label or name} must be {bound.describe()}, got {v!r}", param=param or name
+            )
 
-    if not _finite(s.temperature) or s.temperature < 0:
-        raise bad("temperature", f"temperature must be a finite number >= 0, got {s.temperature!r}")
-    if not _finite(s.top_p) or not 0 < s.top_p <= 1:
-        raise bad("top_p", f"top_p must be in (0, 1], got {s.top_p!r}")
-    if not isinstance(s.top_k, int) or isinstance(s.top_k, bool) or not 0 <= s.top_k <= MAX_TOP_K:
-        raise bad("top_k", f"top_k must be an integer in [0, {MAX_TOP_K}], got {s.top_k!r}")
-    if not _finite(s.min_p) or not 0 <= s.min_p <= 1:
-        raise bad("min_p", f"min_p must be in [0, 1], got {s.min_p!r}")
-    for name in ("frequency_penalty", "presence_penalty"):
-        v = getattr(s, name)
-        if not _finite(v) or not -MAX_PENALTY <= v <= MAX_PENALTY:
-            raise bad(name, f"{name} must be in [{-MAX_PENALTY}, {MAX_PENALTY}], got {v!r}")
-    rp = s.repetition_penalty
-    if not _finite(rp) or not 0 < rp <= MAX_REPETITION_PENALTY:
-        raise bad(
-            "repetition_penalty",
-            f"repetition_penalty must be in (0, {MAX_REPETITION_PENALTY}], got {rp!r}",
-        )
+    for name in _SCALAR_SETTINGS:
+        check(name, getattr(s, name))
     if not isinstance(s.logit_bias, dict) or len(s.logit_bias) > MAX_LOGIT_BIAS_ENTRIES:
-        raise bad(
-            "logit_bias",
+        raise InvalidRequest(
             f"logit_bias must map at most {MAX_LOGIT_BIAS_ENTRIES} token ids to numbers",
+            param="logit_bias",
         )
     for tid, v in s.logit_bias.items():
         if not isinstance(tid, int) or isinstance(tid, bool) or tid < 0:
-            raise bad("logit_bias", f"logit_bias keys must be token ids, got {tid!r}")
-        if not _finite(v) or not -MAX_LOGIT_BIAS <= v <= MAX_LOGIT_BIAS:
-            raise bad(
-                "logit_bias",
-                f"logit_bias values must be in [{-MAX_LOGIT_BIAS}, {MAX_LOGIT_BIAS}], got {v!r}",
+            raise InvalidRequest(
+                f"logit_bias keys must be token ids, got {tid!r}", param="logit_bias"
             )
-    k = s.top_logprobs
-    if not isinstance(k, int) or isinstance(k, bool) or not 0 <= k <= MAX_TOP_LOGPROBS:
-        raise bad(
-            "top_logprobs", f"top_logprobs must be an integer in [0, {MAX_TOP_LOGPROBS}], got {k!r}"
-        )
+        check("logit_bias", v, label="logit_bias values")
+    check("top_logprobs", s.top_logprobs)
     seed = s.seed
     if seed is None:
         seed = secrets.randbits(63)
-    elif not isinstance(seed, int) or isinstance(seed, bool) or not MIN_SEED <= seed <= MAX_SEED:
-        raise bad("seed", f"seed must be a 64-bit integer, got {seed!r}")
+    else:
+        check("seed", seed)
     return replace(s, seed=seed)
 
 
-def _finite(x: Any) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+#: The settings checked one by one, in the order a refusal names the first bad one.
+_SCALAR_SETTINGS = (
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "frequency_penalty",
+    "presence_penalty",
+    "repetition_penalty",
+)
 
 
 def render(

@@ -40,11 +40,9 @@ from mlx_cairn.errors import InvalidRequest, error_kind
 from mlx_cairn.protocol.base import WireEvent, fail
 from mlx_cairn.protocol.frames import comment
 from mlx_cairn.protocol.openai_common import opt_bool, stop_list
-from mlx_cairn.protocol.sampling import integer, number
+from mlx_cairn.protocol.sampling import bounded, integer, number
 from mlx_cairn.types import (
-    MAX_REPETITION_PENALTY,
     MAX_SEED,
-    MAX_TOP_K,
     ChatRequest,
     Done,
     Error,
@@ -127,18 +125,17 @@ def parse_infill_request(body: Any, *, max_tokens_limit: int, default_model: str
         sp.temperature = t
     if (p := number(body, "top_p", 0.0, 1.0)) is not None:
         sp.top_p = p if p > 0 else 1.0  # llama.cpp: 0 turns top-p off
-    if (k := integer(body, "top_k", 0, MAX_TOP_K)) is not None:
+    if (k := bounded(body, "top_k")) is not None:
         sp.top_k = k
-    if (m := number(body, "min_p", 0.0, 1.0)) is not None:
+    if (m := bounded(body, "min_p")) is not None:
         sp.min_p = m
     seed = integer(body, "seed", -1, MAX_SEED, "must be -1 (random) or a 64-bit integer")
     sp.seed = None if seed is None or seed == -1 else seed
-    rp = number(body, "repeat_penalty", 0.0, MAX_REPETITION_PENALTY, above_lo=True)
-    if rp is not None:
+    if (rp := bounded(body, "repeat_penalty", "repetition_penalty")) is not None:
         sp.repetition_penalty = rp
-    for ours, theirs in (("presence_penalty", "presence_penalty"), ("frequency_penalty",) * 2):
-        if (v := number(body, theirs, -2.0, 2.0)) is not None:
-            setattr(sp, ours, v)
+    for key in ("presence_penalty", "frequency_penalty"):
+        if (v := bounded(body, key)) is not None:
+            setattr(sp, key, v)
     salt = body.get("cache_salt")
     if salt is not None and (not isinstance(salt, str) or not salt):
         raise fail("cache_salt", "must be a non-empty string")

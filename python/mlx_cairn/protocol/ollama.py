@@ -310,7 +310,7 @@ def _options(raw: Any, limit: int) -> _Options:
     except InvalidRequest as e:
         back = {v: k for k, v in _RENAMED.items()}
         name = back.get(e.param or "", e.param or "")
-        message = e.message.split(": ", 1)[-1]
+        message = e.message.removeprefix(f"{e.param}: ")  # fail() put the field first
         raise fail(f"options.{name}", message) from None
     out = _Options(sampling, stop=stop_list(raw.get("stop"), "options.stop"))
     n = raw.get("num_predict")

@@ -65,9 +65,8 @@ from mlx_cairn.protocol.openai_common import (
     stream_flags,
     wire_logprob,
 )
-from mlx_cairn.protocol.sampling import integer, read_sampling
+from mlx_cairn.protocol.sampling import bounded, integer, read_sampling
 from mlx_cairn.types import (
-    MAX_TOP_LOGPROBS,
     ChatRequest,
     Done,
     Error,
@@ -130,7 +129,7 @@ def parse_completion_request(body: Any, *, max_tokens_limit: int) -> OpenAICompl
 
     mt = opt_max_tokens(body, "max_tokens", max_tokens_limit)
     sampling = read_sampling(body, max_temperature=2.0)
-    k = integer(body, "logprobs", 0, MAX_TOP_LOGPROBS)
+    k = bounded(body, "logprobs", "top_logprobs")
     if k is not None:
         sampling.logprobs, sampling.top_logprobs = True, k
     echo = opt_bool(body, "echo", False)

@@ -18,7 +18,8 @@ Which dialect reads which field (absent or ``null``: the engine's default)::
 "extra" marks a field that API's own reference does not have: it is read from
 the top level of the body (where an SDK's ``extra_body`` puts it) with the
 same rule as where it is native. Every failure is a 400 naming the field; the
-bounds are the ones the engine checks (:mod:`mlx_cairn.types`). Token ids in
+bounds are the ones the engine checks, read from one table
+(:data:`mlx_cairn.types.SAMPLING_BOUNDS`). Token ids in
 ``logit_bias`` are checked against the model's vocabulary by the engine
 (``Engine.prepare``), still before any model work.
 
@@ -34,17 +35,7 @@ import re
 from typing import Any
 
 from mlx_cairn.protocol.base import fail, is_int, is_num, short
-from mlx_cairn.types import (
-    MAX_LOGIT_BIAS,
-    MAX_LOGIT_BIAS_ENTRIES,
-    MAX_PENALTY,
-    MAX_REPETITION_PENALTY,
-    MAX_SEED,
-    MAX_TOP_K,
-    MAX_TOP_LOGPROBS,
-    MIN_SEED,
-    SamplingParams,
-)
+from mlx_cairn.types import MAX_LOGIT_BIAS_ENTRIES, SAMPLING_BOUNDS, SamplingParams
 
 #: Largest token id a ``logit_bias`` key may spell (ids are int32 in the
 #: sampler); whether the model's vocabulary has it is the engine's check.
@@ -77,6 +68,19 @@ def integer(body: dict[str, Any], key: str, lo: int, hi: int, what: str = "") ->
     return int(v)
 
 
+def bounded(
+    body: dict[str, Any], key: str, setting: str | None = None, *, hi: float | None = None
+) -> Any:
+    """``body[key]`` checked against ``SAMPLING_BOUNDS[setting or key]`` (``hi`` lowers
+    the ceiling: a dialect's own); an int for an integer setting, else a float; None
+    if absent."""
+    b = SAMPLING_BOUNDS[setting or key]
+    top = b.hi if hi is None else min(b.hi, hi)
+    if b.integer:
+        return integer(body, key, int(b.lo), int(top), f"must be {b.what}" if b.what else "")
+    return number(body, key, b.lo, top, above_lo=b.lo_open)
+
+
 def logit_bias(raw: Any, param: str = "logit_bias") -> dict[int, float]:
     """``logit_bias``: an object of token id strings to numbers in -100..100."""
     if raw is None:
@@ -89,18 +93,17 @@ def logit_bias(raw: Any, param: str = "logit_bias") -> dict[int, float]:
     for k, v in raw.items():
         if not isinstance(k, str) or not _TOKEN_ID.fullmatch(k) or int(k) > MAX_TOKEN_ID:
             raise fail(param, f"key {short(k)} is not a token id (a non-negative integer)")
-        if not is_num(v) or not -MAX_LOGIT_BIAS <= v <= MAX_LOGIT_BIAS:
-            raise fail(
-                f"{param}.{k}",
-                f"must be a number between {-MAX_LOGIT_BIAS:g} and {MAX_LOGIT_BIAS:g}",
-            )
+        b = SAMPLING_BOUNDS["logit_bias"]
+        if not is_num(v) or not b.lo <= v <= b.hi:
+            raise fail(f"{param}.{k}", f"must be a number between {b.lo:g} and {b.hi:g}")
         out[int(k)] = float(v)
     return out
 
 
 def top_logprobs(body: dict[str, Any]) -> int | None:
     """``top_logprobs``: how many alternatives to report per token (0..20); None if absent."""
-    return integer(body, "top_logprobs", 0, MAX_TOP_LOGPROBS)
+    n: int | None = bounded(body, "top_logprobs")
+    return n
 
 
 def read_sampling(body: dict[str, Any], *, max_temperature: float) -> SamplingParams:
@@ -109,22 +112,22 @@ def read_sampling(body: dict[str, Any], *, max_temperature: float) -> SamplingPa
     ``max_temperature`` is the dialect's ceiling (Anthropic 1, OpenAI 2).
     """
     sp = SamplingParams()
-    if (t := number(body, "temperature", 0.0, max_temperature)) is not None:
-        sp.temperature = t
-    if (p := number(body, "top_p", 0.0, 1.0, above_lo=True)) is not None:
-        sp.top_p = p
-    if (k := integer(body, "top_k", 0, MAX_TOP_K)) is not None:
-        sp.top_k = k
-    if (m := number(body, "min_p", 0.0, 1.0)) is not None:
-        sp.min_p = m
-    seed = integer(body, "seed", MIN_SEED, MAX_SEED, "must be a 64-bit integer")
-    if seed is not None:
-        sp.seed = seed
-    for key in ("frequency_penalty", "presence_penalty"):
-        if (pen := number(body, key, -MAX_PENALTY, MAX_PENALTY)) is not None:
-            setattr(sp, key, pen)
-    rp = number(body, "repetition_penalty", 0.0, MAX_REPETITION_PENALTY, above_lo=True)
-    if rp is not None:
-        sp.repetition_penalty = rp
+    for key in _SETTINGS:
+        v = bounded(body, key, hi=max_temperature if key == "temperature" else None)
+        if v is not None:
+            setattr(sp, key, v)
     sp.logit_bias = logit_bias(body.get("logit_bias"))
     return sp
+
+
+#: The settings :func:`read_sampling` reads, in the order a refusal names the first bad one.
+_SETTINGS = (
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "seed",
+    "frequency_penalty",
+    "presence_penalty",
+    "repetition_penalty",
+)
