@@ -17,7 +17,7 @@ use std::mem::take;
 use crate::formats::FormatParser;
 use crate::json_scan::JsonScan;
 use crate::schema::ToolSchemas;
-use crate::tags::{Lookup, Tag, TagSet};
+use crate::tags::{after_held, Lookup, Tag, TagSet};
 use crate::tags::{MISTRAL_CALLS, PYTHON_TAG, THINK_CLOSE, THINK_OPEN, TOOL_CLOSE, TOOL_OPEN};
 use crate::tags::{MISTRAL_THINK_CLOSE, MISTRAL_THINK_OPEN};
 use crate::toolcall;
@@ -238,13 +238,8 @@ impl OutputParser {
             f.push(text, &mut segs);
             return Self::drain(&mut segs, out);
         }
-        if self.buf.is_empty() {
-            self.process(text, false);
-        } else {
-            let mut s = take(&mut self.buf);
-            s.push_str(text);
-            self.process(&s, false);
-        }
+        let s = after_held(&mut self.buf, text);
+        self.process(&s, false);
         Self::drain(&mut self.out, out);
     }
 

@@ -11,6 +11,7 @@ use std::mem::take;
 
 use serde_json::{Map, Number, Value};
 
+use super::cursor::Cursor;
 use super::{markers, Machine, Out, Tags};
 
 const PY_START: &str = "<|python_start|>";
@@ -333,27 +334,13 @@ struct Py<'a> {
     s: &'a str,
 }
 
+impl<'a> Cursor<'a> for Py<'a> {
+    fn rest(&mut self) -> &mut &'a str {
+        &mut self.s
+    }
+}
+
 impl<'a> Py<'a> {
-    fn ws(&mut self) {
-        self.s = self.s.trim_start();
-    }
-
-    fn eat(&mut self, t: &str) -> bool {
-        match self.s.strip_prefix(t) {
-            Some(r) => {
-                self.s = r;
-                true
-            }
-            None => false,
-        }
-    }
-
-    /// After an item: `,` or (left in place) the closing bracket.
-    fn sep(&mut self, close: char) -> Option<()> {
-        self.ws();
-        (self.eat(",") || self.s.starts_with(close)).then_some(())
-    }
-
     fn ident(&mut self) -> Option<&'a str> {
         let end = self
             .s
