@@ -247,9 +247,7 @@ impl OutputParser {
     /// releases held text, parses an unclosed tool call (as text when it
     /// does not parse), and resets the parser for a new stream.
     pub fn flush(&mut self) -> Vec<Segment> {
-        let mut out = Vec::new();
-        self.flush_into(&mut out);
-        out
+        self.finish(false)
     }
 
     /// Like [`OutputParser::flush`], appending to `out`.
@@ -283,8 +281,16 @@ impl OutputParser {
     ///
     /// [`flush`]: OutputParser::flush
     pub fn flush_cut(&mut self) -> Vec<Segment> {
+        self.finish(true)
+    }
+
+    /// [`flush_cut`] when `cut`, else [`flush`].
+    ///
+    /// [`flush`]: OutputParser::flush
+    /// [`flush_cut`]: OutputParser::flush_cut
+    pub fn finish(&mut self, cut: bool) -> Vec<Segment> {
         let mut out = Vec::new();
-        self.flush_cut_into(&mut out);
+        self.end(cut, &mut out);
         out
     }
 
