@@ -24,6 +24,12 @@ pub(super) trait Cursor<'a> {
         }
     }
 
+    /// Reads `t` after whitespace; `None` where the text goes on otherwise.
+    fn expect(&mut self, t: &str) -> Option<()> {
+        self.ws();
+        self.eat(t).then_some(())
+    }
+
     /// After an item: `,` or (left in place) the closing bracket.
     fn sep(&mut self, close: char) -> Option<()> {
         self.ws();

@@ -51,9 +51,7 @@ impl P<'_> {
     }
 
     fn object(&mut self) -> Option<Value> {
-        if !self.eat("{") {
-            return None;
-        }
+        self.expect("{")?;
         let mut m = Map::new();
         loop {
             self.ws();
@@ -71,10 +69,7 @@ impl P<'_> {
                 self.s = &self.s[end..];
                 k.to_owned()
             };
-            self.ws();
-            if !self.eat(":") {
-                return None;
-            }
+            self.expect(":")?;
             let v = self.value()?;
             m.insert(key, v);
             self.sep('}')?;
@@ -82,9 +77,7 @@ impl P<'_> {
     }
 
     fn array(&mut self) -> Option<Value> {
-        if !self.eat("[") {
-            return None;
-        }
+        self.expect("[")?;
         let mut a = Vec::new();
         loop {
             self.ws();

@@ -300,10 +300,7 @@ pub(crate) fn parse_calls(s: &str) -> Option<Vec<(String, String)>> {
             break;
         }
         let name = p.dotted()?;
-        p.ws();
-        if !p.eat("(") {
-            return None;
-        }
+        p.expect("(")?;
         let mut args = Map::new();
         loop {
             p.ws();
@@ -311,10 +308,7 @@ pub(crate) fn parse_calls(s: &str) -> Option<Vec<(String, String)>> {
                 break;
             }
             let k = p.ident()?;
-            p.ws();
-            if !p.eat("=") {
-                return None;
-            }
+            p.expect("=")?;
             let v = p.value(0)?;
             args.insert(k.to_owned(), v);
             p.sep(')')?;
@@ -414,10 +408,7 @@ impl<'a> Py<'a> {
                         v @ (Value::Number(_) | Value::Bool(_)) => v.to_string(),
                         _ => return None,
                     };
-                    self.ws();
-                    if !self.eat(":") {
-                        return None;
-                    }
+                    self.expect(":")?;
                     m.insert(k, self.value(depth + 1)?);
                     self.sep('}')?;
                 }
