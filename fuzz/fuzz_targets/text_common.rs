@@ -48,10 +48,15 @@ pub enum Piece {
 
 /// Joins pieces into model-like text.
 pub fn build(pieces: &[Piece]) -> String {
+    join(pieces, |i| FRAGMENTS[i as usize % FRAGMENTS.len()])
+}
+
+/// Joins the first 64 pieces, fragment `i` spelled by `frag(i)`.
+pub fn join(pieces: &[Piece], frag: impl Fn(u8) -> &'static str) -> String {
     let mut s = String::new();
     for p in pieces.iter().take(64) {
         match p {
-            Piece::Frag(i) => s.push_str(FRAGMENTS[*i as usize % FRAGMENTS.len()]),
+            Piece::Frag(i) => s.push_str(frag(*i)),
             Piece::Str(t) => s.push_str(t),
         }
     }

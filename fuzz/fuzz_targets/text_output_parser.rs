@@ -6,10 +6,11 @@
 //! exactly that call in every family, under any chunking.
 #![no_main]
 use arbitrary::Arbitrary;
-use cairn_text::{parse_output, Family, OutputParser, Segment, ToolCall, END_MARKERS};
+use cairn_text::{parse_output, Family, OutputParser, Segment, END_MARKERS};
 use libfuzzer_sys::fuzz_target;
-use serde_json::{json, Value};
 
+#[path = "../../rust/text/tests/common/calls.rs"]
+mod calls;
 #[path = "text_common.rs"]
 mod common;
 
@@ -44,77 +45,6 @@ fn squash(s: &str) -> String {
         }
         s = t;
     }
-}
-
-/// Whether a Qwen3-Coder value holds text its closing rule reads as
-/// structure (`</parameter>` then `<parameter=`, or `</function>` then
-/// `</tool_call>`, whitespace between): such a value cannot round-trip.
-fn xml_ambiguous(v: &str) -> bool {
-    let followed = |tag: &str, next: &str| {
-        v.match_indices(tag)
-            .any(|(i, _)| v[i + tag.len()..].trim_start().starts_with(next))
-    };
-    followed("</parameter>", "<parameter=") || followed("</function>", "</tool_call>")
-}
-
-fn call(args: &str, raw: &str) -> Segment {
-    Segment::ToolCall(ToolCall {
-        name: "f".into(),
-        arguments: args.into(),
-        raw: raw.into(),
-    })
-}
-
-/// One call to `f` with argument `p` = `s` in the family's syntax: the model
-/// text and the segments it must parse to. `None` when `s` cannot be sent.
-fn well_formed(family: Family, form: u8, s: &str) -> Option<(String, Vec<Segment>)> {
-    // Markers are dropped even inside strings, so the call would differ.
-    if END_MARKERS.iter().any(|m| s.contains(m)) {
-        return None;
-    }
-    let args = json!({ "p": s }).to_string();
-    let obj = |key: &str| json!({"name": "f", key: {"p": s}}).to_string();
-    let text = |t: &str| Segment::Text(t.into());
-    Some(match (family, form % 2 == 1) {
-        (Family::Hermes, _) | (Family::Qwen3Coder, false) => {
-            let body = obj("arguments");
-            let input = format!("Hi <tool_call>{body}</tool_call> bye");
-            (input, vec![text("Hi "), call(&args, &body), text("bye")])
-        }
-        (Family::Qwen3Coder, true) => {
-            if xml_ambiguous(s) {
-                return None;
-            }
-            let v = serde_json::from_str::<Value>(s).unwrap_or_else(|_| json!(s));
-            let args = json!({ "p": v }).to_string();
-            let body = format!("\n<function=f>\n<parameter=p>\n{s}\n</parameter>\n</function>\n");
-            let input = format!("Hi <tool_call>{body}</tool_call> bye");
-            (input, vec![text("Hi "), call(&args, &body), text("bye")])
-        }
-        (Family::Llama3, false) => {
-            let body = obj("parameters");
-            (
-                format!("<|python_tag|>{body}<|eom_id|>"),
-                vec![call(&args, &body)],
-            )
-        }
-        (Family::Llama3, true) => {
-            let body = obj("parameters");
-            (body.clone(), vec![call(&args, &body)])
-        }
-        (Family::Mistral, false) => {
-            let body = format!("[{}]", obj("arguments"));
-            let input = format!("Hi [TOOL_CALLS]{body}");
-            (input, vec![text("Hi "), call(&args, &body)])
-        }
-        (Family::Mistral, true) => {
-            let body = format!("f[ARGS]{}", json!({ "p": s }));
-            let input = format!("Hi [TOOL_CALLS]{body}");
-            (input, vec![text("Hi "), call(&args, &body)])
-        }
-        // The other families have their own fuzz targets and tests.
-        _ => return None,
-    })
 }
 
 fuzz_target!(|inp: Input| {
@@ -168,7 +98,7 @@ fuzz_target!(|inp: Input| {
     }
 
     let family = family.unwrap_or(Family::Hermes);
-    if let Some((text, want)) = well_formed(family, inp.form, &common::build(&inp.arg)) {
+    if let Some((text, want)) = calls::well_formed(family, inp.form % 2 == 1, &common::build(&inp.arg)) {
         let mut p = OutputParser::new(Some(family), inp.reasoning, false).unwrap();
         let mut got = Vec::new();
         for c in common::chunk(&text, &inp.cuts) {

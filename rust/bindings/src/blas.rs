@@ -94,17 +94,17 @@ pub unsafe extern "C" fn cblas_sgemm(
     {
         // SAFETY: the caller's contract, checked shapes; `takes` checked the CPU.
         unsafe {
-            cairn_blas::sgemm(
-                m as usize,
-                n as usize,
-                k as usize,
+            cairn_blas::sgemm(cairn_blas::Operands {
+                m: m as usize,
+                n: n as usize,
+                k: k as usize,
                 a,
-                lda as usize,
+                lda: lda as usize,
                 b,
-                ldb as usize,
+                ldb: ldb as usize,
                 c,
-                ldc as usize,
-            )
+                ldc: ldc as usize,
+            })
         };
         return;
     }

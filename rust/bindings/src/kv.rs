@@ -11,6 +11,8 @@ use pyo3::exceptions::{PyIndexError, PyRuntimeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
 
+use crate::detach_if;
+
 mod args;
 use args::{block_ids, count_arg, int_item, int_seq, salt_bytes};
 
@@ -164,11 +166,7 @@ impl PyPrefixCache {
         let salt = salt_bytes(salt)?;
         let (hasher, bs) = (self.hasher, self.block_size);
         let run = || hasher.hash_blocks(&toks, bs, salt.as_deref());
-        let hashes = if toks.len() >= DETACH_MIN_TOKENS {
-            py.detach(run)
-        } else {
-            run()
-        };
+        let hashes = detach_if(py, toks.len() >= DETACH_MIN_TOKENS, run);
         Ok(PyBlockHashes {
             hashes,
             num_tokens: toks.len(),
@@ -208,11 +206,7 @@ impl PyPrefixCache {
             Some(&parent) => hasher.extend(parent, &toks, bs),
             None => hasher.hash_blocks(&toks, bs, prefix.salt.as_deref()),
         };
-        let more = if toks.len() >= DETACH_MIN_TOKENS {
-            py.detach(run)
-        } else {
-            run()
-        };
+        let more = detach_if(py, toks.len() >= DETACH_MIN_TOKENS, run);
         let mut hashes = Vec::with_capacity(prefix.hashes.len() + more.len());
         hashes.extend_from_slice(&prefix.hashes);
         hashes.extend(more);

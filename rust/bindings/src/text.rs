@@ -4,6 +4,7 @@
 //! Errors become `ValueError`. The GIL is released only for inputs of at
 //! least [`DETACH_BYTES`]: per-token chunks are a few bytes, where handing
 //! the GIL over would cost more than the scan itself.
+use crate::detach_if;
 use cairn_text::{self as core, Family, TextError, ToolSchemas};
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
@@ -202,11 +203,7 @@ impl PyStopScanner {
     /// Feeds text; returns (text safe to show, matched stop or None).
     fn push(&mut self, py: Python<'_>, text: &str) -> (String, Option<Py<PyString>>) {
         let inner = &mut self.inner;
-        let (out, m) = if text.len() >= DETACH_BYTES {
-            py.detach(|| inner.push(text))
-        } else {
-            inner.push(text)
-        };
+        let (out, m) = detach_if(py, text.len() >= DETACH_BYTES, || inner.push(text));
         (out, m.map(|i| self.stops[i].clone_ref(py)))
     }
 
@@ -263,11 +260,9 @@ impl PyOutputParser {
     /// Feeds text; returns the segments it completed.
     fn push(&mut self, py: Python<'_>, text: &str) -> Vec<PySegment> {
         let inner = &mut self.inner;
-        wrap(if text.len() >= DETACH_BYTES {
-            py.detach(|| inner.push(text))
-        } else {
+        wrap(detach_if(py, text.len() >= DETACH_BYTES, || {
             inner.push(text)
-        })
+        }))
     }
 
     /// Ends the stream: the remaining segments; the parser is then reset.
@@ -275,11 +270,7 @@ impl PyOutputParser {
     /// open is dropped instead of coming back as text.
     #[pyo3(signature = (*, cut = false))]
     fn flush(&mut self, cut: bool) -> Vec<PySegment> {
-        wrap(if cut {
-            self.inner.flush_cut()
-        } else {
-            self.inner.flush()
-        })
+        wrap(self.inner.finish(cut))
     }
 
     fn __repr__(&self) -> String {
@@ -345,11 +336,7 @@ impl PyTextPipeline {
     /// Feeds one chunk; returns (segments, matched stop or None).
     fn push(&mut self, py: Python<'_>, text: &str) -> (Vec<PySegment>, Option<Py<PyString>>) {
         let inner = &mut self.inner;
-        let (segs, m) = if text.len() >= DETACH_BYTES {
-            py.detach(|| inner.push(text))
-        } else {
-            inner.push(text)
-        };
+        let (segs, m) = detach_if(py, text.len() >= DETACH_BYTES, || inner.push(text));
         (wrap(segs), m.map(|i| self.stops[i].clone_ref(py)))
     }
 
@@ -358,11 +345,7 @@ impl PyTextPipeline {
     /// open is dropped instead of coming back as text.
     #[pyo3(signature = (*, cut = false))]
     fn flush(&mut self, cut: bool) -> Vec<PySegment> {
-        wrap(if cut {
-            self.inner.flush_cut()
-        } else {
-            self.inner.flush()
-        })
+        wrap(self.inner.finish(cut))
     }
 
     fn __repr__(&self, py: Python<'_>) -> PyResult<String> {
@@ -396,11 +379,7 @@ fn parse_output(
         p.flush_into(&mut segs);
         Ok(segs)
     };
-    let segs = if text.len() >= DETACH_BYTES {
-        py.detach(run)
-    } else {
-        run()
-    };
+    let segs = detach_if(py, text.len() >= DETACH_BYTES, run);
     segs.map(wrap).map_err(value_error)
 }
 

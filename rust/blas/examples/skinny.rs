@@ -2,6 +2,8 @@
 //! (30 layers' weights, streamed from memory) at 1, 8 and 16 rows.
 use std::time::Instant;
 
+use cairn_blas::Operands;
+
 fn main() {
     assert!(cairn_blas::available());
     let shapes = [
@@ -34,33 +36,27 @@ fn main() {
             let t = Instant::now();
             for (k, n, w) in &weights {
                 unsafe {
-                    cairn_blas::sgemm(
+                    cairn_blas::sgemm(Operands::contiguous(
                         rows,
                         *n,
                         *k,
                         a.as_ptr(),
-                        *k,
                         w.as_ptr(),
-                        *n,
                         c.as_mut_ptr(),
-                        *n,
-                    )
+                    ))
                 };
             }
             let layers_ms = t.elapsed().as_secs_f64() * 1e3;
             let t = Instant::now();
             unsafe {
-                cairn_blas::sgemm(
+                cairn_blas::sgemm(Operands::contiguous(
                     rows,
                     head.1,
                     head.0,
                     a.as_ptr(),
-                    head.0,
                     head.2.as_ptr(),
-                    head.1,
                     c.as_mut_ptr(),
-                    head.1,
-                )
+                ))
             };
             let head_ms = t.elapsed().as_secs_f64() * 1e3;
             best = (best.0.min(layers_ms), best.1.min(head_ms));

@@ -64,49 +64,57 @@ fn pool() -> Option<&'static rayon::ThreadPool> {
     pool.as_ref().filter(|_| *pid == std::process::id())
 }
 
-/// Raw pointers that cross to pool threads; every thread writes disjoint columns of `c`.
-#[derive(Clone, Copy)]
-struct Operands {
-    a: *const f32,
-    lda: usize,
-    b: *const f32,
-    ldb: usize,
-    c: *mut f32,
-    ldc: usize,
-    m: usize,
-    k: usize,
+/// The operands of `C = A · B`: row-major `A [m, k]` (stride `lda`),
+/// `B [k, n]` (`ldb`), `C [m, n]` (`ldc`).
+#[derive(Debug, Clone, Copy)]
+pub struct Operands {
+    pub m: usize,
+    pub n: usize,
+    pub k: usize,
+    pub a: *const f32,
+    pub lda: usize,
+    pub b: *const f32,
+    pub ldb: usize,
+    pub c: *mut f32,
+    pub ldc: usize,
 }
+impl Operands {
+    /// Operands without padding: each stride is its row's length.
+    pub fn contiguous(
+        m: usize,
+        n: usize,
+        k: usize,
+        a: *const f32,
+        b: *const f32,
+        c: *mut f32,
+    ) -> Self {
+        Operands {
+            m,
+            n,
+            k,
+            a,
+            lda: k,
+            b,
+            ldb: n,
+            c,
+            ldc: n,
+        }
+    }
+}
+
+// The pointers cross to pool threads, each of which writes disjoint columns
+// of `c`; reading or writing through them is what [`sgemm`]'s contract covers.
 unsafe impl Send for Operands {}
 unsafe impl Sync for Operands {}
 
-/// `C = A · B` for row-major `A [m, k]` (stride `lda`), `B [k, n]` (`ldb`), `C [m, n]` (`ldc`).
+/// `C = A · B` for the shapes and strides of `ops`.
 ///
 /// # Safety
 /// The pointers must address arrays of those shapes and strides; `C` must not
 /// overlap `A` or `B`; [`available`] must be true; `1 <= m <= MAX_ROWS`.
-#[allow(clippy::too_many_arguments)]
-pub unsafe fn sgemm(
-    m: usize,
-    n: usize,
-    k: usize,
-    a: *const f32,
-    lda: usize,
-    b: *const f32,
-    ldb: usize,
-    c: *mut f32,
-    ldc: usize,
-) {
+pub unsafe fn sgemm(ops: Operands) {
+    let Operands { m, n, .. } = ops;
     debug_assert!((1..=MAX_ROWS).contains(&m) && available());
-    let ops = Operands {
-        a,
-        lda,
-        b,
-        ldb,
-        c,
-        ldc,
-        m,
-        k,
-    };
     let pool = pool();
     let threads = pool.map_or(1, |p| p.current_num_threads() + 1);
     // Whole 8-column vectors per thread, as even as they go; `busy` threads get some.

@@ -1,5 +1,7 @@
 //! `cairn_blas::sgemm` against a float64 reference, over shapes, strides and row counts.
 
+use cairn_blas::Operands;
+
 /// A small deterministic generator (values in [-1, 1)).
 struct Lcg(u64);
 impl Lcg {
@@ -24,17 +26,17 @@ fn check(m: usize, n: usize, k: usize, pad: usize, seed: u64) {
     let sentinel = 7.5f32;
     let mut c = vec![sentinel; m * ldc];
     unsafe {
-        cairn_blas::sgemm(
+        cairn_blas::sgemm(Operands {
             m,
             n,
             k,
-            a.as_ptr(),
+            a: a.as_ptr(),
             lda,
-            b.as_ptr(),
+            b: b.as_ptr(),
             ldb,
-            c.as_mut_ptr(),
+            c: c.as_mut_ptr(),
             ldc,
-        )
+        })
     };
     for i in 0..m {
         for j in 0..ldc {
@@ -91,11 +93,20 @@ fn a_rows_result_does_not_depend_on_the_other_rows() {
     let mut alone = vec![0f32; cairn_blas::MAX_ROWS * n];
     for i in 0..cairn_blas::MAX_ROWS {
         let (row, out) = (a[i * k..].as_ptr(), alone[i * n..].as_mut_ptr());
-        unsafe { cairn_blas::sgemm(1, n, k, row, k, b.as_ptr(), n, out, n) };
+        unsafe { cairn_blas::sgemm(Operands::contiguous(1, n, k, row, b.as_ptr(), out)) };
     }
     for m in 1..=cairn_blas::MAX_ROWS {
         let mut c = vec![0f32; m * n];
-        unsafe { cairn_blas::sgemm(m, n, k, a.as_ptr(), k, b.as_ptr(), n, c.as_mut_ptr(), n) };
+        unsafe {
+            cairn_blas::sgemm(Operands::contiguous(
+                m,
+                n,
+                k,
+                a.as_ptr(),
+                b.as_ptr(),
+                c.as_mut_ptr(),
+            ))
+        };
         assert_eq!(
             &c[..],
             &alone[..m * n],

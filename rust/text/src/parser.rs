@@ -17,7 +17,7 @@ use std::mem::take;
 use crate::formats::FormatParser;
 use crate::json_scan::JsonScan;
 use crate::schema::ToolSchemas;
-use crate::tags::{Lookup, Tag, TagSet};
+use crate::tags::{after_held, Lookup, Tag, TagSet};
 use crate::tags::{MISTRAL_CALLS, PYTHON_TAG, THINK_CLOSE, THINK_OPEN, TOOL_CLOSE, TOOL_OPEN};
 use crate::tags::{MISTRAL_THINK_CLOSE, MISTRAL_THINK_OPEN};
 use crate::toolcall;
@@ -238,13 +238,8 @@ impl OutputParser {
             f.push(text, &mut segs);
             return Self::drain(&mut segs, out);
         }
-        if self.buf.is_empty() {
-            self.process(text, false);
-        } else {
-            let mut s = take(&mut self.buf);
-            s.push_str(text);
-            self.process(&s, false);
-        }
+        let s = after_held(&mut self.buf, text);
+        self.process(&s, false);
         Self::drain(&mut self.out, out);
     }
 
@@ -252,9 +247,7 @@ impl OutputParser {
     /// releases held text, parses an unclosed tool call (as text when it
     /// does not parse), and resets the parser for a new stream.
     pub fn flush(&mut self) -> Vec<Segment> {
-        let mut out = Vec::new();
-        self.flush_into(&mut out);
-        out
+        self.finish(false)
     }
 
     /// Like [`OutputParser::flush`], appending to `out`.
@@ -288,8 +281,16 @@ impl OutputParser {
     ///
     /// [`flush`]: OutputParser::flush
     pub fn flush_cut(&mut self) -> Vec<Segment> {
+        self.finish(true)
+    }
+
+    /// [`flush_cut`] when `cut`, else [`flush`].
+    ///
+    /// [`flush`]: OutputParser::flush
+    /// [`flush_cut`]: OutputParser::flush_cut
+    pub fn finish(&mut self, cut: bool) -> Vec<Segment> {
         let mut out = Vec::new();
-        self.flush_cut_into(&mut out);
+        self.end(cut, &mut out);
         out
     }
 

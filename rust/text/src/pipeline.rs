@@ -65,7 +65,7 @@ impl TextPipeline {
     /// Ends the stream (the model finished) and resets the pipeline for a
     /// new one; see [`OutputParser::flush`].
     pub fn flush(&mut self) -> Vec<Segment> {
-        self.end(false)
+        self.finish(false)
     }
 
     /// Ends a stream cut by `max_tokens` and resets the pipeline: a held
@@ -74,10 +74,14 @@ impl TextPipeline {
     ///
     /// [`flush`]: TextPipeline::flush
     pub fn flush_cut(&mut self) -> Vec<Segment> {
-        self.end(true)
+        self.finish(true)
     }
 
-    fn end(&mut self, cut: bool) -> Vec<Segment> {
+    /// [`flush_cut`] when `cut`, else [`flush`].
+    ///
+    /// [`flush`]: TextPipeline::flush
+    /// [`flush_cut`]: TextPipeline::flush_cut
+    pub fn finish(&mut self, cut: bool) -> Vec<Segment> {
         let mut segs = Vec::new();
         if !self.done {
             self.scratch.clear();

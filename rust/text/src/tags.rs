@@ -1,5 +1,7 @@
 //! Tool-call families and the structural tags each one recognizes.
+use std::borrow::Cow;
 use std::fmt;
+use std::mem::take;
 use std::str::FromStr;
 
 use crate::TextError;
@@ -146,14 +148,45 @@ pub(crate) struct TagSet {
     pub bracket: bool,
 }
 
-/// Result of looking for a tag at a `<` or `[`.
-pub(crate) enum Lookup {
+/// Result of looking for a tag at a possible tag start.
+pub(crate) enum Lookup<T> {
     /// A whole tag of this many bytes.
-    Full(Tag, usize),
+    Full(T, usize),
     /// The rest of the input is a proper prefix of a tag: wait for more.
     Partial,
     /// Not a tag.
     No,
+}
+
+/// Looks for one of `tags` at the start of `rest`. No tag is a prefix of
+/// another, so the first whole match is the only one.
+pub(crate) fn lookup<T: Copy>(tags: &[(&'static str, T)], rest: &str) -> Lookup<T> {
+    let mut partial = false;
+    for &(t, v) in tags {
+        if rest.starts_with(t) {
+            return Lookup::Full(v, t.len());
+        }
+        if rest.len() < t.len() && t.starts_with(rest) {
+            partial = true;
+        }
+    }
+    if partial {
+        Lookup::Partial
+    } else {
+        Lookup::No
+    }
+}
+
+/// The text to lex next: what the last push `held` back (a possible tag cut
+/// by the chunk end) followed by `text`; `held` is left empty.
+pub(crate) fn after_held<'a>(held: &mut String, text: &'a str) -> Cow<'a, str> {
+    if held.is_empty() {
+        Cow::Borrowed(text)
+    } else {
+        let mut s = take(held);
+        s.push_str(text);
+        Cow::Owned(s)
+    }
 }
 
 impl TagSet {
@@ -165,21 +198,8 @@ impl TagSet {
     }
 
     /// Looks for a tag at the start of `rest` (which begins with `<` or `[`).
-    pub fn lookup(&self, rest: &str) -> Lookup {
-        let mut partial = false;
-        for &(t, tag) in &self.tags {
-            if rest.starts_with(t) {
-                return Lookup::Full(tag, t.len());
-            }
-            if rest.len() < t.len() && t.starts_with(rest) {
-                partial = true;
-            }
-        }
-        if partial {
-            Lookup::Partial
-        } else {
-            Lookup::No
-        }
+    pub fn lookup(&self, rest: &str) -> Lookup<Tag> {
+        lookup(&self.tags, rest)
     }
 
     /// Byte offset of the next possible tag start in `s`.

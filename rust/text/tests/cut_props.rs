@@ -6,6 +6,7 @@
 mod common;
 
 use cairn_text::{reference, Family, Segment};
+use common::calls::{python_str, section, writable};
 use common::parse::{flushed as flush, pipeline_end as pipe_run, run_end as run};
 use common::{random_chunks, random_text, Rng};
 use serde_json::json;
@@ -87,31 +88,12 @@ type Window = (usize, usize, usize);
 /// windows where a cut must drop it. `None` where `s` cannot be written in
 /// that syntax.
 fn with_windows(family: Family, s: &str) -> Option<(String, Vec<Window>)> {
-    let has = |tags: &[&str]| tags.iter().any(|m| s.contains(m));
-    if has(cairn_text::END_MARKERS) {
+    if !writable(family, s) {
         return None;
     }
     let args = json!({ "p": s }).to_string();
     let obj = |key: &str| json!({"name": "f", key: {"p": s}}).to_string();
-    // `Hi OPEN body CLOSE bye`: one window from OPEN to the end of CLOSE.
-    let section = |open: &str, body: &str, close: &str| {
-        let input = format!("Hi {open}{body}{close} bye");
-        let end = input.len() - " bye".len();
-        (input, vec![(3, 3 + open.len(), end)])
-    };
     Some(match family {
-        Family::Hermes => section("<tool_call>", &obj("arguments"), "</tool_call>"),
-        Family::Qwen3Coder => {
-            let followed = |tag: &str, next: &str| {
-                s.match_indices(tag)
-                    .any(|(i, _)| s[i + tag.len()..].trim_start().starts_with(next))
-            };
-            if followed("</parameter>", "<parameter=") || followed("</function>", "</tool_call>") {
-                return None;
-            }
-            let body = format!("\n<function=f>\n<parameter=p>\n{s}\n</parameter>\n</function>\n");
-            section("<tool_call>", &body, "</tool_call>")
-        }
         Family::Llama3 if s.len() % 2 == 0 => {
             let input = format!("<|python_tag|>{}<|eom_id|>", obj("parameters"));
             let n = input.len();
@@ -135,17 +117,6 @@ fn with_windows(family: Family, s: &str) -> Option<(String, Vec<Window>)> {
             )
         }
         Family::Harmony => {
-            if has(&[
-                "<|call|>",
-                "<|end|>",
-                "<|channel|>",
-                "<|start|>",
-                "<|return|>",
-                "<|message|>",
-                "<|constrain|>",
-            ]) {
-                return None;
-            }
             let head = "<|channel|>commentary to=functions.f <|constrain|>json<|message|>";
             let call = format!("{head}{args}<|call|>");
             let n = call.len();
@@ -154,98 +125,8 @@ fn with_windows(family: Family, s: &str) -> Option<(String, Vec<Window>)> {
             let named = head.find("to=").unwrap() + 4;
             (input, vec![(0, named, n)])
         }
-        Family::Glm45 => {
-            if has(&[
-                "</arg_value>",
-                "<|user|>",
-                "<|assistant|>",
-                "<|observation|>",
-                "<|system|>",
-            ]) {
-                return None;
-            }
-            let body = format!("f\n<arg_key>p</arg_key>\n<arg_value>{s}</arg_value>\n");
-            section("<tool_call>", &body, "</tool_call>")
-        }
-        Family::DeepSeekV3 => {
-            if has(&[
-                "<｜tool▁calls▁end｜>",
-                "<｜tool▁call▁end｜>",
-                "<｜end▁of▁sentence｜>",
-                "<｜begin▁of▁sentence｜>",
-                "<｜Assistant｜>",
-                "<｜User｜>",
-            ]) {
-                return None;
-            }
-            let c = format!("<｜tool▁call▁begin｜>f<｜tool▁sep｜>{args}<｜tool▁call▁end｜>");
-            section("<｜tool▁calls▁begin｜>", &c, "<｜tool▁calls▁end｜>")
-        }
-        Family::KimiK2 => {
-            if has(&[
-                "<|tool_calls_section_end|>",
-                "<|tool_call_end|>",
-                "<|im_user|>",
-                "<|im_assistant|>",
-                "<|im_system|>",
-                "<|im_middle|>",
-                "<|tool_call_section_end|>",
-            ]) {
-                return None;
-            }
-            let c = format!("<|tool_call_begin|>functions.f:0<|tool_call_argument_begin|>{args}<|tool_call_end|>");
-            section(
-                "<|tool_calls_section_begin|>",
-                &c,
-                "<|tool_calls_section_end|>",
-            )
-        }
-        Family::Gemma4 => {
-            if has(&[
-                "<|\"|>",
-                "<|turn>",
-                "<turn|>",
-                "<|tool_response>",
-                "<tool_response|>",
-                "<eos>",
-                "<bos>",
-                "<|think|>",
-            ]) {
-                return None;
-            }
-            section(
-                "<|tool_call>",
-                &format!("call:f{{p:<|\"|>{s}<|\"|>}}"),
-                "<tool_call|>",
-            )
-        }
-        Family::MiniMaxM2 => {
-            let ends = s
-                .match_indices("</invoke>")
-                .any(|(i, _)| s[i + 9..].trim_start().starts_with("</minimax:tool_call>"));
-            if ends || has(&["</parameter>", "]~b]", "]~!b[", "[e~["]) {
-                return None;
-            }
-            let body = format!(
-                "\n<invoke name=\"f\">\n<parameter name=\"p\">\n{s}\n</parameter>\n</invoke>\n"
-            );
-            section("<minimax:tool_call>", &body, "</minimax:tool_call>")
-        }
         Family::Pythonic => {
-            if s.contains('<') {
-                return None;
-            }
-            let mut lit = String::from("'");
-            for c in s.chars() {
-                match c {
-                    '\\' => lit.push_str("\\\\"),
-                    '\'' => lit.push_str("\\'"),
-                    '\n' => lit.push_str("\\n"),
-                    c => lit.push(c),
-                }
-            }
-            lit.push('\'');
-            let body = format!("[f(p={lit})]");
+            let body = format!("[f(p={})]", python_str(s));
             if s.len() % 2 == 0 {
                 let n = body.len();
                 // Committed at `[f(`: before that it may be a plain list.
@@ -255,6 +136,13 @@ fn with_windows(family: Family, s: &str) -> Option<(String, Vec<Window>)> {
                 let n = input.len() - "done".len();
                 (input, vec![(0, "<|python_start|>".len(), n)])
             }
+        }
+        // `Hi OPEN body CLOSE bye`: one window from OPEN to the end of CLOSE.
+        _ => {
+            let (open, body, close) = section(family, s)?;
+            let input = format!("Hi {open}{body}{close} bye");
+            let end = input.len() - " bye".len();
+            (input, vec![(3, 3 + open.len(), end)])
         }
     })
 }

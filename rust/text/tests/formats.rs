@@ -5,20 +5,14 @@
 //! and no tag reaches visible text.
 mod common;
 
-use cairn_text::{parse_output, Family, OutputParser, Segment, ToolSchemas};
-use common::parse::{check, reasoning, stream, tc, text};
+use cairn_text::{Family, OutputParser, Segment, ToolSchemas};
+use common::calls::well_formed;
+use common::parse::{check, parsed, reasoning, stream, tc, text};
 use common::{random_chunks, random_text, Rng};
 use serde_json::json;
 
-const NEW: [Family; 7] = [
-    Family::Harmony,
-    Family::Glm45,
-    Family::DeepSeekV3,
-    Family::KimiK2,
-    Family::Gemma4,
-    Family::MiniMaxM2,
-    Family::Pythonic,
-];
+/// The families of `cairn_text::formats`: every one after Mistral.
+const NEW: &[Family] = Family::ALL.as_slice().split_at(4).1;
 
 // ---- harmony --------------------------------------------------------------
 
@@ -122,13 +116,10 @@ fn glm45_calls() {
         "{segs:?}"
     );
     // Without schemas the same value is a number where JSON reads it as one.
-    let segs = parse_output(
+    let segs = parsed(
         "<tool_call>f<arg_key>n</arg_key><arg_value>5</arg_value></tool_call>",
-        g,
-        false,
-        false,
-    )
-    .unwrap();
+        Family::Glm45,
+    );
     assert!(matches!(&segs[..], [Segment::ToolCall(c)] if c.arguments == r#"{"n":5}"#));
     // Tag text in a value; a malformed call comes back as text.
     let v = "print('</tool_call>')";
@@ -490,7 +481,7 @@ fn random_inputs_are_chunking_invariant() {
     let mut rng = Rng(0x0f0f_1234_5678_9abc);
     for _ in 0..iterations() {
         let input = random_text(&mut rng, ALPHABET, 14);
-        let family = *rng.pick(&NEW);
+        let family = *rng.pick(NEW);
         let r = rng.below(2) == 1;
         let sir = r && rng.below(3) == 0;
         let chunks = random_chunks(&input, &mut rng);
@@ -549,108 +540,6 @@ const ARG_PIECES: &[&str] = &[
     "true",
 ];
 
-/// A call to `f` with argument `p` = `s` in `family`'s syntax: the input and
-/// the segments it must parse to; `None` where `s` cannot be written.
-fn well_formed(family: Family, s: &str) -> Option<(String, Vec<Segment>)> {
-    let args = json!({ "p": s }).to_string();
-    let jargs = args.clone();
-    let t = |x: &str| Segment::Text(x.into());
-    // Special tokens cannot be argument text in the special-token formats,
-    // and end markers are dropped everywhere.
-    let has = |tags: &[&str]| tags.iter().any(|m| s.contains(m));
-    if has(cairn_text::END_MARKERS) {
-        return None;
-    }
-    Some(match family {
-        Family::Harmony => {
-            if has(&[
-                "<|call|>",
-                "<|end|>",
-                "<|channel|>",
-                "<|start|>",
-                "<|return|>",
-                "<|message|>",
-            ]) {
-                return None;
-            }
-            let input = format!("<|channel|>commentary to=functions.f <|constrain|>json<|message|>{jargs}<|call|><|start|>assistant<|channel|>final<|message|>bye");
-            (input, vec![tc("f", &args, &jargs), t("bye")])
-        }
-        Family::Glm45 => {
-            // A value holding `</arg_value>` then `<arg_key>` (or `</tool_call>`)
-            // is read as structure; schemas make `p` a string.
-            if s.contains("</arg_value>") {
-                return None;
-            }
-            let body = format!("f\n<arg_key>p</arg_key>\n<arg_value>{s}</arg_value>\n");
-            (
-                format!("Hi <tool_call>{body}</tool_call> bye"),
-                vec![t("Hi "), tc("f", &args, &body), t("bye")],
-            )
-        }
-        Family::DeepSeekV3 => {
-            if has(&["<｜tool▁calls▁end｜>", "<｜tool▁call▁end｜>"]) {
-                return None;
-            }
-            let call = format!("<｜tool▁call▁begin｜>f<｜tool▁sep｜>{jargs}<｜tool▁call▁end｜>");
-            let input = format!("Hi <｜tool▁calls▁begin｜>{call}<｜tool▁calls▁end｜> bye");
-            (input, vec![t("Hi "), tc("f", &args, &call), t("bye")])
-        }
-        Family::KimiK2 => {
-            if has(&["<|tool_calls_section_end|>", "<|tool_call_end|>"]) {
-                return None;
-            }
-            let call = format!("<|tool_call_begin|>functions.f:0<|tool_call_argument_begin|>{jargs}<|tool_call_end|>");
-            let input =
-                format!("Hi <|tool_calls_section_begin|>{call}<|tool_calls_section_end|> bye");
-            (input, vec![t("Hi "), tc("f", &args, &call), t("bye")])
-        }
-        Family::Gemma4 => {
-            if s.contains("<|\"|>") {
-                return None;
-            }
-            let body = format!("call:f{{p:<|\"|>{s}<|\"|>}}");
-            let input = format!("Hi <|tool_call>{body}<tool_call|> bye");
-            (input, vec![t("Hi "), tc("f", &args, &body), t("bye")])
-        }
-        Family::MiniMaxM2 => {
-            if s.contains("</parameter>") {
-                return None;
-            }
-            // One newline at each end of a value is layout.
-            let body = format!(
-                "\n<invoke name=\"f\">\n<parameter name=\"p\">\n{s}\n</parameter>\n</invoke>\n"
-            );
-            let input = format!("Hi <minimax:tool_call>{body}</minimax:tool_call> bye");
-            (input, vec![t("Hi "), tc("f", &args, &body), t("bye")])
-        }
-        Family::Pythonic => {
-            if s.contains('<') {
-                // Markers inside a bare list are dropped, so a `<` may not survive.
-                return None;
-            }
-            let body = format!("[f(p={})]", python_str(s));
-            (format!("{body} bye"), vec![tc("f", &args, &body), t("bye")])
-        }
-        _ => return None,
-    })
-}
-
-/// `s` as a Python string literal.
-fn python_str(s: &str) -> String {
-    let mut out = String::from("'");
-    for c in s.chars() {
-        match c {
-            '\\' => out.push_str("\\\\"),
-            '\'' => out.push_str("\\'"),
-            '\n' => out.push_str("\\n"),
-            c => out.push(c),
-        }
-    }
-    out.push('\'');
-    out
-}
-
 #[test]
 fn well_formed_calls_round_trip_under_any_chunking() {
     let schemas = r#"{"f": {"properties": {"p": {"type": "string"}}}}"#;
@@ -658,8 +547,8 @@ fn well_formed_calls_round_trip_under_any_chunking() {
     let mut tried = 0;
     while tried < iterations() {
         let s = random_text(&mut rng, ARG_PIECES, 10);
-        let family = *rng.pick(&NEW);
-        let Some((input, want)) = well_formed(family, &s) else {
+        let family = *rng.pick(NEW);
+        let Some((input, want)) = well_formed(family, false, &s) else {
             continue;
         };
         tried += 1;

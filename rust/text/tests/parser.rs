@@ -1,7 +1,7 @@
 mod common;
 
-use cairn_text::{parse_output, Family, OutputParser, Segment};
-use common::parse::{call, calls_of, check, reasoning, stream, tc, text};
+use cairn_text::{Family, OutputParser, Segment};
+use common::parse::{call, calls_of, check, parsed, reasoning, stream, tc, text};
 use common::{random_chunks, random_text, Rng};
 
 const WEATHER: &str = r#"{"name": "get_weather", "arguments": {"city": "NYC"}}"#;
@@ -34,7 +34,7 @@ fn must_hold_two_calls_back_to_back() {
         &[tc("a", r#"{"x":1}"#, a), tc("b", "{}", b)],
     );
     let input = format!("<tool_call>\n{a}\n</tool_call><tool_call>\n{b}\n</tool_call>");
-    let segs = parse_output(&input, Some(Family::Hermes), false, false).unwrap();
+    let segs = parsed(&input, Family::Hermes);
     assert_eq!(
         calls_of(&segs),
         vec![call("a", r#"{"x":1}"#), call("b", "{}")]
@@ -211,7 +211,7 @@ fn llama3_calls() {
         &[tc("search", r#"{"q":"rust"}"#, &format!("\n{body}"))],
     );
     let two = r#"{"name": "a", "parameters": {}}; {"name": "b", "parameters": {"k": [1]}}"#;
-    let segs = parse_output(two, Some(Family::Llama3), false, false).unwrap();
+    let segs = parsed(two, Family::Llama3);
     assert_eq!(
         calls_of(&segs),
         vec![call("a", "{}"), call("b", r#"{"k":[1]}"#)]
@@ -250,13 +250,7 @@ fn llama3_calls() {
 #[test]
 fn mistral_calls() {
     let arr = r#"[{"name": "a", "arguments": {"x": 1}}, {"name": "b", "arguments": {}}]"#;
-    let segs = parse_output(
-        &format!("Let me.[TOOL_CALLS]{arr}"),
-        Some(Family::Mistral),
-        false,
-        false,
-    )
-    .unwrap();
+    let segs = parsed(&format!("Let me.[TOOL_CALLS]{arr}"), Family::Mistral);
     assert_eq!(segs[0], text("Let me."));
     assert_eq!(
         calls_of(&segs),

@@ -4,10 +4,11 @@
 //! the family and the chunking.
 mod common;
 
-use cairn_text::{parse_output, Family};
-use common::parse::{call, calls_of, check, reasoning, stream, tc, text};
+use cairn_text::Family;
+use common::calls::well_formed;
+use common::parse::{call, calls_of, check, parsed, reasoning, stream, tc, text};
 use common::{random_chunks, random_text, Rng};
-use serde_json::{json, Value};
+use serde_json::json;
 
 const FAMILIES: [Family; 4] = [
     Family::Hermes,
@@ -149,13 +150,10 @@ fn mistral_tag_text_inside_strings() {
         &[text("Ok."), tc("a", r#"{"s":"[TOOL_CALLS] ]}"}"#, arr)],
     );
     let f = r#"f[ARGS]{"s": "[TOOL_CALLS]g[ARGS]{}"}"#;
-    let segs = parse_output(
+    let segs = parsed(
         &format!("[TOOL_CALLS]{f}[TOOL_CALLS]g[ARGS]{{}}"),
-        Some(Family::Mistral),
-        false,
-        false,
-    )
-    .unwrap();
+        Family::Mistral,
+    );
     assert_eq!(
         calls_of(&segs),
         vec![
@@ -212,61 +210,6 @@ const PIECES: &[&str] = &[
     "</parameter>",
 ];
 
-/// Whether a Qwen3-Coder value holds text that its closing rule must read
-/// as structure (see `parse_xml_function`): such values cannot round-trip.
-fn xml_ambiguous(v: &str) -> bool {
-    let followed = |tag: &str, next: &str| {
-        v.match_indices(tag)
-            .any(|(i, _)| v[i + tag.len()..].trim_start().starts_with(next))
-    };
-    followed("</parameter>", "<parameter=") || followed("</function>", "</tool_call>")
-}
-
-/// A well-formed call whose argument is `s`, in `family`'s syntax (`form`
-/// picks among a family's shapes): the input, and the segments it must give.
-fn build(family: Family, form: bool, s: &str) -> Option<(String, Vec<cairn_text::Segment>)> {
-    let args = json!({ "p": s }).to_string();
-    let obj = |key: &str| json!({"name": "f", key: {"p": s}}).to_string();
-    Some(match (family, form) {
-        (Family::Hermes, _) | (Family::Qwen3Coder, false) => {
-            let body = obj("arguments");
-            let input = format!("Hi <tool_call>{body}</tool_call> bye");
-            (input, vec![text("Hi "), tc("f", &args, &body), text("bye")])
-        }
-        (Family::Qwen3Coder, true) => {
-            if xml_ambiguous(s) {
-                return None;
-            }
-            let v = serde_json::from_str::<Value>(s).unwrap_or_else(|_| json!(s));
-            let args = json!({ "p": v }).to_string();
-            let body = format!("\n<function=f>\n<parameter=p>\n{s}\n</parameter>\n</function>\n");
-            let input = format!("Hi <tool_call>{body}</tool_call> bye");
-            (input, vec![text("Hi "), tc("f", &args, &body), text("bye")])
-        }
-        (Family::Llama3, false) => {
-            let body = obj("parameters");
-            let input = format!("<|python_tag|>{body}<|eom_id|>");
-            (input, vec![tc("f", &args, &body)])
-        }
-        (Family::Llama3, true) => {
-            let body = obj("parameters");
-            (body.clone(), vec![tc("f", &args, &body)])
-        }
-        (Family::Mistral, false) => {
-            let body = format!("[{}]", obj("arguments"));
-            let input = format!("Hi [TOOL_CALLS]{body}");
-            (input, vec![text("Hi "), tc("f", &args, &body)])
-        }
-        (Family::Mistral, true) => {
-            let body = format!("f[ARGS]{}", json!({ "p": s }));
-            let input = format!("Hi [TOOL_CALLS]{body}");
-            (input, vec![text("Hi "), tc("f", &args, &body)])
-        }
-        // The other families have their own fuzz targets and tests.
-        _ => return None,
-    })
-}
-
 #[test]
 fn random_tag_text_arguments_round_trip_under_any_chunking() {
     let mut rng = Rng(0x7a97_e11f_0000_5eed);
@@ -275,7 +218,7 @@ fn random_tag_text_arguments_round_trip_under_any_chunking() {
         let s = random_text(&mut rng, PIECES, 10);
         let family = *rng.pick(&FAMILIES);
         let form = rng.below(2) == 1;
-        let Some((input, want)) = build(family, form, &s) else {
+        let Some((input, want)) = well_formed(family, form, &s) else {
             continue;
         };
         tried += 1;

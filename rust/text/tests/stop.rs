@@ -1,7 +1,7 @@
 mod common;
 
-use cairn_text::{reference, StopScanner, TextError};
-use common::{chunks_of, random_chunks, random_text, Rng};
+use cairn_text::{StopScanner, TextError};
+use common::{chunks_of, random_chunks, random_text, stop_check, Rng};
 
 /// Streams `chunks` through a scanner; returns visible text and the stop.
 fn run(stops: &[&str], chunks: &[&str], flush: bool) -> (String, Option<String>) {
@@ -141,34 +141,8 @@ fn differential_against_naive_reference() {
             .collect();
         let stops: Vec<&str> = stops.iter().map(|s| s.as_str()).collect();
         let text = random_text(&mut rng, &alphabet, 20);
-        let (want_text, want_stop) = reference::stop_scan(&stops, &text);
-
-        let mut s = StopScanner::new(&stops).unwrap();
-        let mut seen = String::new();
-        let mut out = String::new();
-        let mut got_stop = None;
-        for c in random_chunks(&text, &mut rng) {
-            seen.push_str(&c);
-            let (v, m) = s.push(&c);
-            out.push_str(&v);
-            if m.is_some() {
-                got_stop = m;
-                break;
-            }
-            // Before a match, exactly the longest stop-prefix suffix is held.
-            let keep = reference::stop_holdback(&stops, &seen);
-            assert_eq!(
-                out,
-                seen[..seen.len() - keep],
-                "stops {stops:?} text {text:?}"
-            );
-            assert_eq!(s.held(), &seen[seen.len() - keep..]);
-        }
-        out.push_str(&s.flush());
-        assert_eq!(
-            (out.as_str(), got_stop),
-            (want_text.as_str(), want_stop),
-            "stops {stops:?} text {text:?}"
-        );
+        let s = StopScanner::new(&stops).unwrap();
+        let chunks = random_chunks(&text, &mut rng);
+        stop_check::matches_reference(s, &stops, &text, &chunks);
     }
 }

@@ -33,6 +33,23 @@ fn json_object(s: &str) -> Option<String> {
     }
 }
 
+/// Calls one after another to the end of `body`, whitespace between: `one`
+/// parses the call at the start of the (left-trimmed) text and returns it
+/// with the text after it. At least one call.
+pub(crate) fn repeated<'a>(
+    body: &'a str,
+    mut one: impl FnMut(&'a str) -> Option<((String, String), &'a str)>,
+) -> Calls {
+    let mut calls = Vec::new();
+    let mut rest = body.trim_start();
+    while !rest.is_empty() {
+        let (call, after) = one(rest)?;
+        calls.push(call);
+        rest = after.trim_start();
+    }
+    (!calls.is_empty()).then_some(calls)
+}
+
 /// Whether `s` is, after whitespace, empty or starts with one of `next`.
 fn then(s: &str, next: &[&str]) -> bool {
     let t = s.trim_start();
@@ -141,13 +158,7 @@ fn invoke_end_ok(after: &str) -> bool {
 /// `<invoke name="N">` with `<parameter name="K">V</parameter>`s then
 /// `</invoke>`, once or more. One newline at each end of a value is layout.
 pub(crate) fn parse_minimax(body: &str, schemas: &ToolSchemas) -> Calls {
-    let mut calls = Vec::new();
-    let mut rest = body;
-    loop {
-        let t = rest.trim_start();
-        if t.is_empty() {
-            break;
-        }
+    repeated(body, |t| {
         let (name, mut r) = attr_name(t.strip_prefix(INVOKE)?)?;
         let mut args = Map::new();
         loop {
@@ -170,10 +181,8 @@ pub(crate) fn parse_minimax(body: &str, schemas: &ToolSchemas) -> Calls {
             args.insert(key.to_owned(), schemas.value(name, key, value));
             r = after;
         }
-        calls.push((name.to_owned(), Value::Object(args).to_string()));
-        rest = r;
-    }
-    (!calls.is_empty()).then_some(calls)
+        Some(((name.to_owned(), Value::Object(args).to_string()), r))
+    })
 }
 
 // ---- DeepSeek V3 / V3.1 -------------------------------------------------
@@ -241,22 +250,14 @@ fn each_call(
     end: &str,
     one: impl Fn(&str) -> Option<(String, String)>,
 ) -> Calls {
-    let mut calls = Vec::new();
-    let mut rest = body;
-    loop {
-        let t = rest.trim_start();
-        if t.is_empty() {
-            break;
-        }
+    repeated(body, |t| {
         let t = t.strip_prefix(begin)?;
         let (inner, after) = match t.find(end) {
             Some(i) => (&t[..i], &t[i + end.len()..]),
             None => (t, ""),
         };
-        calls.push(one(inner)?);
-        rest = after;
-    }
-    (!calls.is_empty()).then_some(calls)
+        Some((one(inner)?, after))
+    })
 }
 
 #[cfg(test)]
@@ -267,6 +268,24 @@ mod tests {
         let mut c = calls.expect("parses");
         assert_eq!(c.len(), 1);
         c.remove(0)
+    }
+
+    /// The two calls of the DeepSeek and Kimi examples.
+    fn weather_then_now(calls: Calls) {
+        assert_eq!(
+            calls.unwrap(),
+            vec![
+                ("get_weather".into(), r#"{"city":"Paris"}"#.into()),
+                ("now".into(), "{}".into())
+            ]
+        );
+    }
+
+    /// Every body in `bad` is malformed.
+    fn rejects(parse: fn(&str, &ToolSchemas) -> Calls, bad: &[&str]) {
+        for b in bad {
+            assert!(parse(b, &ToolSchemas::default()).is_none(), "{b:?}");
+        }
     }
 
     #[test]
@@ -302,14 +321,15 @@ mod tests {
             &none,
         ));
         assert_eq!(c.1, serde_json::json!({ "a": v }).to_string());
-        for bad in [
-            "",
-            "f<arg_key>a</arg_key>",
-            "f<arg_key>a</arg_key><arg_value>1",
-            "a b<c",
-        ] {
-            assert!(parse_glm(bad, &none).is_none(), "{bad:?}");
-        }
+        rejects(
+            parse_glm,
+            &[
+                "",
+                "f<arg_key>a</arg_key>",
+                "f<arg_key>a</arg_key><arg_value>1",
+                "a b<c",
+            ],
+        );
         assert!(glm_closes(
             "f<arg_key>a</arg_key><arg_value>1</arg_value>\n"
         ));
@@ -335,27 +355,22 @@ mod tests {
             one(parse_minimax(&body, &none)).1,
             serde_json::json!({ "p": v }).to_string()
         );
-        for bad in [
-            "",
-            "<invoke name=\"f\">",
-            "<invoke name=\"\"></invoke>",
-            "<invoke name=\"f\"></invoke> x",
-        ] {
-            assert!(parse_minimax(bad, &none).is_none(), "{bad:?}");
-        }
+        rejects(
+            parse_minimax,
+            &[
+                "",
+                "<invoke name=\"f\">",
+                "<invoke name=\"\"></invoke>",
+                "<invoke name=\"f\"></invoke> x",
+            ],
+        );
     }
 
     #[test]
     fn deepseek() {
         let none = ToolSchemas::default();
         let v3 = "<｜tool▁call▁begin｜>function<｜tool▁sep｜>get_weather\n```json\n{\"city\": \"Paris\"}\n```<｜tool▁call▁end｜>\n<｜tool▁call▁begin｜>function<｜tool▁sep｜>now\n```json\n{}\n```<｜tool▁call▁end｜>";
-        assert_eq!(
-            parse_deepseek(v3, &none).unwrap(),
-            vec![
-                ("get_weather".into(), r#"{"city":"Paris"}"#.into()),
-                ("now".into(), "{}".into())
-            ]
-        );
+        weather_then_now(parse_deepseek(v3, &none));
         let v31 = "<｜tool▁call▁begin｜>get_weather<｜tool▁sep｜>{\"city\": \"Paris\"}<｜tool▁call▁end｜>";
         assert_eq!(one(parse_deepseek(v31, &none)).0, "get_weather");
         // A V3.1 call to a tool named `function`.
@@ -364,27 +379,22 @@ mod tests {
             one(parse_deepseek(f, &none)),
             ("function".into(), r#"{"a":1}"#.into())
         );
-        for bad in [
-            "",
-            "x",
-            "<｜tool▁call▁begin｜>f<｜tool▁sep｜>[1]",
-            "<｜tool▁call▁begin｜>f{}",
-        ] {
-            assert!(parse_deepseek(bad, &none).is_none(), "{bad:?}");
-        }
+        rejects(
+            parse_deepseek,
+            &[
+                "",
+                "x",
+                "<｜tool▁call▁begin｜>f<｜tool▁sep｜>[1]",
+                "<｜tool▁call▁begin｜>f{}",
+            ],
+        );
     }
 
     #[test]
     fn kimi() {
         let none = ToolSchemas::default();
         let body = "<|tool_call_begin|>functions.get_weather:0<|tool_call_argument_begin|>{\"city\": \"Paris\"}<|tool_call_end|><|tool_call_begin|>functions.now:1<|tool_call_argument_begin|>{}<|tool_call_end|>";
-        assert_eq!(
-            parse_kimi(body, &none).unwrap(),
-            vec![
-                ("get_weather".into(), r#"{"city":"Paris"}"#.into()),
-                ("now".into(), "{}".into())
-            ]
-        );
+        weather_then_now(parse_kimi(body, &none));
         assert_eq!(
             one(parse_kimi(
                 "<|tool_call_begin|>search<|tool_call_argument_begin|>{}",
@@ -393,6 +403,6 @@ mod tests {
             .0,
             "search"
         );
-        assert!(parse_kimi("<|tool_call_begin|>functions.f:0{}", &none).is_none());
+        rejects(parse_kimi, &["<|tool_call_begin|>functions.f:0{}"]);
     }
 }

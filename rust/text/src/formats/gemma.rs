@@ -6,7 +6,8 @@
 //! `[..]`. Several calls may share one section.
 use serde_json::{Map, Value};
 
-use super::bodies::{name_ok, Calls};
+use super::bodies::{name_ok, repeated, Calls};
+use super::cursor::Cursor;
 use crate::schema::ToolSchemas;
 
 pub(crate) const QUOTE: &str = "<|\"|>";
@@ -18,13 +19,7 @@ pub(crate) fn closes(body: &str) -> bool {
 
 /// `call:NAME{..}`, once or more (whitespace between).
 pub(crate) fn parse(body: &str, _: &ToolSchemas) -> Calls {
-    let mut calls = Vec::new();
-    let mut rest = body;
-    loop {
-        let t = rest.trim_start();
-        if t.is_empty() {
-            break;
-        }
+    repeated(body, |t| {
         let t = t.strip_prefix("call:")?;
         let brace = t.find('{')?;
         let name = t[..brace].trim();
@@ -33,10 +28,8 @@ pub(crate) fn parse(body: &str, _: &ToolSchemas) -> Calls {
         }
         let mut p = P { s: &t[brace..] };
         let args = p.object()?;
-        calls.push((name.to_owned(), args.to_string()));
-        rest = p.s;
-    }
-    (!calls.is_empty()).then_some(calls)
+        Some(((name.to_owned(), args.to_string()), p.s))
+    })
 }
 
 /// A cursor over the argument text.
@@ -44,21 +37,13 @@ struct P<'a> {
     s: &'a str,
 }
 
+impl<'a> Cursor<'a> for P<'a> {
+    fn rest(&mut self) -> &mut &'a str {
+        &mut self.s
+    }
+}
+
 impl P<'_> {
-    fn ws(&mut self) {
-        self.s = self.s.trim_start();
-    }
-
-    fn eat(&mut self, t: &str) -> bool {
-        match self.s.strip_prefix(t) {
-            Some(r) => {
-                self.s = r;
-                true
-            }
-            None => false,
-        }
-    }
-
     fn string(&mut self) -> Option<String> {
         let (v, r) = self.s.split_once(QUOTE)?;
         self.s = r;
@@ -66,9 +51,7 @@ impl P<'_> {
     }
 
     fn object(&mut self) -> Option<Value> {
-        if !self.eat("{") {
-            return None;
-        }
+        self.expect("{")?;
         let mut m = Map::new();
         loop {
             self.ws();
@@ -86,23 +69,15 @@ impl P<'_> {
                 self.s = &self.s[end..];
                 k.to_owned()
             };
-            self.ws();
-            if !self.eat(":") {
-                return None;
-            }
+            self.expect(":")?;
             let v = self.value()?;
             m.insert(key, v);
-            self.ws();
-            if !self.eat(",") && !self.s.starts_with('}') {
-                return None;
-            }
+            self.sep('}')?;
         }
     }
 
     fn array(&mut self) -> Option<Value> {
-        if !self.eat("[") {
-            return None;
-        }
+        self.expect("[")?;
         let mut a = Vec::new();
         loop {
             self.ws();
@@ -110,10 +85,7 @@ impl P<'_> {
                 return Some(Value::Array(a));
             }
             a.push(self.value()?);
-            self.ws();
-            if !self.eat(",") && !self.s.starts_with(']') {
-                return None;
-            }
+            self.sep(']')?;
         }
     }
 

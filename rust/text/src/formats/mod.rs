@@ -18,6 +18,7 @@
 //! cut (`max_tokens`) instead, a call still open at the end is dropped: the
 //! model never finished it, and its markup is not an answer.
 mod bodies;
+mod cursor;
 mod gemma;
 mod harmony;
 mod pythonic;
@@ -26,6 +27,7 @@ mod sectioned;
 use std::mem::take;
 
 use crate::schema::ToolSchemas;
+use crate::tags::{after_held, lookup, Lookup};
 use crate::{Family, Segment, ToolCall};
 
 pub(crate) use harmony::Harmony;
@@ -38,12 +40,6 @@ pub(crate) struct Tags<T: Copy> {
     tags: Vec<(&'static str, T)>,
     /// Bytes a tag may start with.
     first: [bool; 256],
-}
-
-pub(crate) enum Lookup<T> {
-    Full(T, usize),
-    Partial,
-    No,
 }
 
 impl<T: Copy> Tags<T> {
@@ -68,20 +64,7 @@ impl<T: Copy> Tags<T> {
     }
 
     fn lookup(&self, rest: &str) -> Lookup<T> {
-        let mut partial = false;
-        for &(t, v) in &self.tags {
-            if rest.starts_with(t) {
-                return Lookup::Full(v, t.len());
-            }
-            if rest.len() < t.len() && t.starts_with(rest) {
-                partial = true;
-            }
-        }
-        if partial {
-            Lookup::Partial
-        } else {
-            Lookup::No
-        }
+        lookup(&self.tags, rest)
     }
 }
 
@@ -202,13 +185,8 @@ impl<M: Machine> Driver<M> {
     }
 
     pub fn push(&mut self, text: &str, out: &mut Vec<Segment>) {
-        if self.buf.is_empty() {
-            self.process(text, false);
-        } else {
-            let mut s = take(&mut self.buf);
-            s.push_str(text);
-            self.process(&s, false);
-        }
+        let s = after_held(&mut self.buf, text);
+        self.process(&s, false);
         out.append(&mut self.out.segs);
     }
 

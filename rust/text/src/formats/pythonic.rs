@@ -11,6 +11,7 @@ use std::mem::take;
 
 use serde_json::{Map, Number, Value};
 
+use super::cursor::Cursor;
 use super::{markers, Machine, Out, Tags};
 
 const PY_START: &str = "<|python_start|>";
@@ -299,10 +300,7 @@ pub(crate) fn parse_calls(s: &str) -> Option<Vec<(String, String)>> {
             break;
         }
         let name = p.dotted()?;
-        p.ws();
-        if !p.eat("(") {
-            return None;
-        }
+        p.expect("(")?;
         let mut args = Map::new();
         loop {
             p.ws();
@@ -310,10 +308,7 @@ pub(crate) fn parse_calls(s: &str) -> Option<Vec<(String, String)>> {
                 break;
             }
             let k = p.ident()?;
-            p.ws();
-            if !p.eat("=") {
-                return None;
-            }
+            p.expect("=")?;
             let v = p.value(0)?;
             args.insert(k.to_owned(), v);
             p.sep(')')?;
@@ -333,27 +328,13 @@ struct Py<'a> {
     s: &'a str,
 }
 
+impl<'a> Cursor<'a> for Py<'a> {
+    fn rest(&mut self) -> &mut &'a str {
+        &mut self.s
+    }
+}
+
 impl<'a> Py<'a> {
-    fn ws(&mut self) {
-        self.s = self.s.trim_start();
-    }
-
-    fn eat(&mut self, t: &str) -> bool {
-        match self.s.strip_prefix(t) {
-            Some(r) => {
-                self.s = r;
-                true
-            }
-            None => false,
-        }
-    }
-
-    /// After an item: `,` or (left in place) the closing bracket.
-    fn sep(&mut self, close: char) -> Option<()> {
-        self.ws();
-        (self.eat(",") || self.s.starts_with(close)).then_some(())
-    }
-
     fn ident(&mut self) -> Option<&'a str> {
         let end = self
             .s
@@ -427,10 +408,7 @@ impl<'a> Py<'a> {
                         v @ (Value::Number(_) | Value::Bool(_)) => v.to_string(),
                         _ => return None,
                     };
-                    self.ws();
-                    if !self.eat(":") {
-                        return None;
-                    }
+                    self.expect(":")?;
                     m.insert(k, self.value(depth + 1)?);
                     self.sep('}')?;
                 }

@@ -2,7 +2,9 @@
 //! chunking utilities (no extra dependencies).
 #![allow(dead_code)]
 
+pub mod calls;
 pub mod parse;
+pub mod stop_check;
 
 pub struct Rng(pub u64);
 

@@ -63,6 +63,11 @@ pub fn check(input: &str, family: Option<Family>, reasoning: bool, sir: bool, wa
     }
 }
 
+/// The one-shot parse of `input` for `family`, reasoning off.
+pub fn parsed(input: &str, family: Family) -> Vec<Segment> {
+    parse_output(input, Some(family), false, false).unwrap()
+}
+
 pub fn calls_of(segs: &[Segment]) -> Vec<(String, String)> {
     segs.iter()
         .filter_map(|s| match s {
@@ -116,6 +121,6 @@ pub fn pipeline_end(
         segs.extend(s);
         stop = stop.or(m);
     }
-    segs.extend(if cut { p.flush_cut() } else { p.flush() });
+    segs.extend(p.finish(cut));
     (OutputParser::coalesce(segs), stop)
 }
