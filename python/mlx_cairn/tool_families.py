@@ -110,7 +110,8 @@ class ToolFamily:
 
     Attributes:
         name: the Rust parser's name for it (``family=`` of ``mlx_cairn.text``).
-        example: one call, as the model writes it.
+        example: one call of ``f`` with ``{"a": 1}``, as the model writes it
+            (the tests parse it).
         signs: how a chat template (and vocabulary) shows the format.
         calls: the layout of its calls, for grammars.
         reasoning: its own reasoning delimiters, or None for ``<think>``.
@@ -144,7 +145,7 @@ _KIMI = ("<|tool_calls_section_begin|>", "<|tool_calls_section_end|>")
 FAMILIES: tuple[ToolFamily, ...] = (
     ToolFamily(
         "harmony",
-        "<|channel|>commentary to=functions.NAME <|constrain|>json<|message|>{..}<|call|>",
+        '<|channel|>commentary to=functions.f <|constrain|>json<|message|>{"a": 1}<|call|>',
         _own("<|channel|>"),
         Calls(
             "harmony", None, "", None, "",
@@ -158,7 +159,7 @@ FAMILIES: tuple[ToolFamily, ...] = (
     ),
     ToolFamily(
         "gemma4",
-        '<|tool_call>call:NAME{k:<|"|>v<|"|>}<tool_call|>',
+        "<|tool_call>call:f{a:1}<tool_call|>",
         _own("<|tool_call>", '<|"|>'),
         Calls(
             "gemma4", "<|tool_call>", "", "<tool_call|><|tool_call>", "<tool_call|>",
@@ -171,7 +172,8 @@ FAMILIES: tuple[ToolFamily, ...] = (
     ),
     ToolFamily(
         "minimax_m2",
-        '<minimax:tool_call><invoke name="NAME"><parameter name="K">V</parameter></invoke>..',
+        '<minimax:tool_call>\n<invoke name="f">\n<parameter name="a">1</parameter>\n</invoke>\n'
+        "</minimax:tool_call>",
         # MiniMax M2's role markers are unique to it.
         _own("<minimax:tool_call>", "]~!b[", "]~b]"),
         Calls(
@@ -183,15 +185,16 @@ FAMILIES: tuple[ToolFamily, ...] = (
     ),
     ToolFamily(
         "deepseek_v3",
-        "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>NAME<｜tool▁sep｜>{..}<｜tool▁call▁end｜>..",
+        '<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>f<｜tool▁sep｜>{"a": 1}<｜tool▁call▁end｜>'
+        "<｜tool▁calls▁end｜>",
         _own(_DS[0], _DS_CALL[0]),
         Calls("deepseek_v3", _DS[0], "", "\n", _DS[1], (*_DS, *_DS_CALL)),
         special_tokens=True,
     ),
     ToolFamily(
         "kimi_k2",
-        "<|tool_calls_section_begin|><|tool_call_begin|>functions.NAME:0"
-        "<|tool_call_argument_begin|>{..}<|tool_call_end|>..",
+        "<|tool_calls_section_begin|><|tool_call_begin|>functions.f:0<|tool_call_argument_begin|>"
+        '{"a": 1}<|tool_call_end|><|tool_calls_section_end|>',
         _own(_KIMI[0], "<|tool_call_begin|>"),
         Calls(
             "kimi_k2", _KIMI[0], "", "", _KIMI[1],
@@ -201,7 +204,7 @@ FAMILIES: tuple[ToolFamily, ...] = (
     ),
     ToolFamily(
         "glm45",
-        "<tool_call>NAME<arg_key>K</arg_key><arg_value>V</arg_value></tool_call>",
+        "<tool_call>f\n<arg_key>a</arg_key>\n<arg_value>1</arg_value>\n</tool_call>",
         _own("<arg_key>"),
         Calls(
             "glm45", "<tool_call>", "", "\n</tool_call>\n<tool_call>", "\n</tool_call>",
@@ -212,7 +215,7 @@ FAMILIES: tuple[ToolFamily, ...] = (
     ),
     ToolFamily(
         "pythonic",
-        "[f(a=1, b='x'), g()]",
+        "[f(a=1)]",
         # Llama 3.2 / 4 pythonic templates spell the call format out, or use
         # Llama 4's python tags.
         _own("[func_name1(", "<|python_start|>"),
@@ -221,7 +224,7 @@ FAMILIES: tuple[ToolFamily, ...] = (
     ),
     ToolFamily(
         "qwen3_coder",
-        "<tool_call><function=NAME><parameter=K>V</parameter></function></tool_call>",
+        "<tool_call>\n<function=f>\n<parameter=a>\n1\n</parameter>\n</function>\n</tool_call>",
         (Sign(("<tool_call>", "<function="), "shared"),),
         Calls(
             "qwen3_coder", "<tool_call>", "\n", "\n</tool_call>\n<tool_call>\n", "\n</tool_call>",
@@ -230,7 +233,7 @@ FAMILIES: tuple[ToolFamily, ...] = (
     ),
     ToolFamily(
         "hermes",
-        '<tool_call>{"name": NAME, "arguments": {..}}</tool_call>',
+        '<tool_call>\n{"name": "f", "arguments": {"a": 1}}\n</tool_call>',
         (Sign(("<tool_call>",), "shared"), Sign(("tools",), "hint", "<tool_call>")),
         Calls(
             "json_arguments", "<tool_call>", "\n", "\n</tool_call>\n<tool_call>\n",
@@ -239,7 +242,9 @@ FAMILIES: tuple[ToolFamily, ...] = (
     ),
     ToolFamily(
         "mistral",
-        '[TOOL_CALLS][{"name": NAME, "arguments": {..}}]',
+        '[TOOL_CALLS][{"name": "f", "arguments": {"a": 1}}]',
+        # A template that speaks of tools and a vocabulary with [TOOL_CALLS]
+        # (tried before Llama 3's tags).
         (Sign(("[TOOL_CALLS]",), "shared"), Sign(("tool",), "shared", "[TOOL_CALLS]")),
         Calls("json_arguments", "[TOOL_CALLS]", "[", ", ", "]", ("[TOOL_CALLS]",)),
         # Mistral's reasoning models (Magistral, Ministral 3 Reasoning) think in
@@ -249,7 +254,7 @@ FAMILIES: tuple[ToolFamily, ...] = (
     ),
     ToolFamily(
         "llama3",
-        '<|python_tag|>{"name": NAME, "parameters": {..}}',
+        '<|python_tag|>{"name": "f", "parameters": {"a": 1}}',
         (Sign(("<|python_tag|>",), "shared"), Sign(("ipython", "<|eot_id|>"), "shared")),
         Calls("json_parameters", None, "", "; ", ""),
         special_tokens=True,
