@@ -35,17 +35,12 @@ Semantics in brief (see the class docstrings for details):
 - Stops: the match that completes earliest wins, ties go to the stop listed
   first; text that may still become a stop is held back; nothing after a
   match is returned.
-- Families (:data:`FAMILIES`): ``hermes`` (``<tool_call>{json}</tool_call>``),
-  ``qwen3_coder`` (``<tool_call><function=..><parameter=..>``), ``llama3``
-  (``<|python_tag|>`` and bare JSON replies), ``mistral`` (``[TOOL_CALLS]``),
-  ``harmony`` (gpt-oss: ``analysis`` channel -> reasoning, ``to=functions.NAME``
-  messages -> calls, other channels -> text), ``glm45``
-  (``<tool_call>NAME<arg_key>..</arg_key><arg_value>..</arg_value>``),
-  ``deepseek_v3`` (V3 and V3.1 ``<｜tool▁calls▁begin｜>``), ``kimi_k2``
-  (``<|tool_calls_section_begin|>``), ``gemma4`` (``<|channel>`` reasoning,
-  ``<|tool_call>call:NAME{..}<tool_call|>``), ``minimax_m2``
-  (``<minimax:tool_call><invoke name=..>``) and ``pythonic``
-  (``[f(a=1), g()]``, Llama 3.2 / 4); ``None`` parses no tool calls (use it
+- Families (:data:`FAMILIES`; the table :mod:`mlx_cairn.tool_families`
+  describes each): ``hermes`` (``<tool_call>{json}</tool_call>``),
+  ``qwen3_coder``, ``llama3``, ``mistral``, ``harmony`` (gpt-oss: ``analysis``
+  channel -> reasoning, ``to=functions.NAME`` messages -> calls, other
+  channels -> text), ``glm45``, ``deepseek_v3``, ``kimi_k2``, ``gemma4``,
+  ``minimax_m2`` and ``pythonic``; ``None`` parses no tool calls (use it
   when the request has no tools).
 - ``tool_schemas=`` (the request's tools, ``{name: parameters schema}``)
   decides, for the formats whose argument values are raw text (``glm45``,
@@ -77,8 +72,10 @@ from mlx_cairn._core import (
     parse_output,
     parser_tags,
 )
+from mlx_cairn.tool_families import names_where
 
-#: The tool-call family names accepted by ``family=``.
+#: The tool-call family names accepted by ``family=`` (for type checkers: the
+#: names of :data:`mlx_cairn.tool_families.FAMILIES`, which the tests compare).
 Family = Literal[
     "hermes",
     "qwen3_coder",
@@ -101,24 +98,12 @@ SegmentKind = Literal["text", "reasoning", "tool_call"]
 #: is special in some tokenizers, Hermes 3's, and plain in Qwen's.) The
 #: engine decodes every family's output with the parser's tags kept, special
 #: or not (:func:`decode_skips`).
-SPECIAL_TOKEN_FAMILIES: frozenset[str] = frozenset(
-    {
-        "harmony",
-        "glm45",
-        "deepseek_v3",
-        "kimi_k2",
-        "gemma4",
-        "minimax_m2",
-        "pythonic",
-        "mistral",
-        "llama3",
-    }
-)
+SPECIAL_TOKEN_FAMILIES: frozenset[str] = names_where("special_tokens")
 
 #: Families whose replies are structured even without tools (gpt-oss writes
 #: every answer in channels, Gemma 4 reasons in ``<|channel>``): they are
 #: parsed whether or not the request offers tools.
-STRUCTURAL_FAMILIES: frozenset[str] = frozenset({"harmony", "gemma4"})
+STRUCTURAL_FAMILIES: frozenset[str] = names_where("structural")
 
 
 def keeps_special_tokens(family: str | None) -> bool:
@@ -157,7 +142,7 @@ def output_family(family: str | None, tools_on: bool) -> str | None:
 
 
 #: Families whose argument values are raw text, typed by the tools' schemas.
-SCHEMA_FAMILIES: frozenset[str] = frozenset({"glm45", "minimax_m2"})
+SCHEMA_FAMILIES: frozenset[str] = names_where("schema_typed")
 
 
 def tool_schemas(family: str | None, tools: Iterable[Any]) -> dict[str, Any] | None:

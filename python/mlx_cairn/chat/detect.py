@@ -1,24 +1,10 @@
 """Which output-parser family and reasoning mode a model uses, read from its template and vocabulary.
 
-Parser families (the Rust output parser implements each):
-
-============  ====================================================
-hermes        ``<tool_call>{"name": ..., "arguments": ...}</tool_call>``
-qwen3_coder   ``<tool_call><function=NAME><parameter=P>..`` (XML-ish)
-llama3        ``<|python_tag|>`` / bare JSON ``{"name": ..., "parameters": ...}``
-mistral       ``[TOOL_CALLS][...]``
-harmony       gpt-oss: ``<|channel|>commentary to=functions.NAME ..<|message|>{..}``
-glm45         ``<tool_call>NAME<arg_key>K</arg_key><arg_value>V</arg_value>``
-deepseek_v3   ``<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>..`` (V3 and V3.1)
-kimi_k2       ``<|tool_calls_section_begin|><|tool_call_begin|>functions.NAME:0..``
-gemma4        ``<|tool_call>call:NAME{k:<|"|>v<|"|>}<tool_call|>``
-minimax_m2    ``<minimax:tool_call><invoke name="NAME"><parameter name="K">..``
-pythonic      ``[f(a=1), g()]`` (Llama 3.2 / 4 pythonic templates)
-============  ====================================================
-
-Each family is known by markers only its chat template contains (the
-template renders earlier tool calls in the model's own syntax, or tells the
-model that syntax); :data:`_TEMPLATE_MARKERS` lists them, most specific first.
+The families (the Rust output parser implements each) and the signs that give
+each away are the table :mod:`mlx_cairn.tool_families`: a family is known by
+markers only its chat template contains (the template renders earlier tool
+calls in the model's own syntax, or tells the model that syntax), tried most
+specific first (:data:`mlx_cairn.tool_families.SIGNS`).
 """
 
 from __future__ import annotations
@@ -30,26 +16,12 @@ from typing import Any
 from mlx_cairn._core import FAMILIES
 from mlx_cairn.chat.template import ChatTemplate
 from mlx_cairn.errors import InvalidRequest, ModelLoadError
+from mlx_cairn.tool_families import FAMILIES as _TABLE
+from mlx_cairn.tool_families import SIGNS
 from mlx_cairn.types import Message
 
 #: Every output-parser family (the Rust parser's list).
 PARSER_FAMILIES: tuple[str, ...] = tuple(FAMILIES)
-
-#: (family, markers any of which in the template source identifies it). Checked
-#: in order before the older families: GLM-4.5 and MiniMax templates also
-#: contain ``<tool_call>``-like text, so their own markers come first.
-_TEMPLATE_MARKERS: tuple[tuple[str, tuple[str, ...]], ...] = (
-    ("harmony", ("<|channel|>",)),
-    ("gemma4", ("<|tool_call>", '<|"|>')),
-    # MiniMax M2's role markers are unique to it.
-    ("minimax_m2", ("<minimax:tool_call>", "]~!b[", "]~b]")),
-    ("deepseek_v3", ("<｜tool▁calls▁begin｜>", "<｜tool▁call▁begin｜>")),
-    ("kimi_k2", ("<|tool_calls_section_begin|>", "<|tool_call_begin|>")),
-    ("glm45", ("<arg_key>",)),
-    # Llama 3.2 / 4 pythonic templates spell the call format out, or use
-    # Llama 4's python tags.
-    ("pythonic", ("[func_name1(", "<|python_start|>")),
-)
 
 
 def _renders_calls_only(src: str) -> bool:
@@ -95,49 +67,29 @@ def detect_parser_family(template_source: str, vocab: set[str] | None = None) ->
     """
     src = template_source
     vocab = vocab or set()
-    for family, markers in _TEMPLATE_MARKERS:
-        if any(m in src for m in markers):
+    for family, sign in SIGNS:
+        if sign.matches(src, vocab):
             # Calls rendered without the tools list: ChatTemplate's fallback.
-            return None if _renders_calls_only(src) else family
-    if "<tool_call>" in src:
-        return "qwen3_coder" if "<function=" in src else "hermes"
-    if "[TOOL_CALLS]" in src or ("[TOOL_CALLS]" in vocab and "tool" in src):
-        return "mistral"
-    if "<|python_tag|>" in src or ("ipython" in src and "<|eot_id|>" in src):
-        return "llama3"
-    if "<tool_call>" in vocab and "tools" in src:
-        return "hermes"
+            return None if sign.strength == "own" and _renders_calls_only(src) else family
     return None
 
 
-#: gpt-oss always reasons in its analysis channel (``reasoning_effort`` sets
-#: how much, it cannot turn it off); the parser makes that channel reasoning.
-HARMONY_REASONING = ReasoningInfo(
-    supported=True,
-    kwarg=None,
-    default_on=True,
-    open_tag="<|channel|>analysis<|message|>",
-    close_tag="<|end|>",
-)
-
-#: Gemma 4 thinks when the template's ``enable_thinking`` is set (off by default).
-GEMMA4_REASONING = ReasoningInfo(
-    supported=True,
-    kwarg="enable_thinking",
-    default_on=False,
-    open_tag="<|channel>",
-    close_tag="<channel|>",
-)
-
-
-#: Mistral's reasoning models (Magistral, Ministral 3 Reasoning) think in
-#: ``[THINK]..[/THINK]``, always (a system prompt asks for it).
-MISTRAL_REASONING = ReasoningInfo(
-    supported=True,
-    kwarg=None,
-    default_on=True,
-    open_tag="[THINK]",
-    close_tag="[/THINK]",
+#: Each family's own reasoning (gpt-oss's analysis channel, Gemma 4's
+#: ``<|channel>``, Mistral's ``[THINK]``): (the template markers that show it,
+#: the mode), in table order.
+_FAMILY_REASONING: tuple[tuple[tuple[str, ...], ReasoningInfo], ...] = tuple(
+    (
+        f.reasoning.markers,
+        ReasoningInfo(
+            supported=True,
+            kwarg=f.reasoning.kwarg,
+            default_on=f.reasoning.default_on,
+            open_tag=f.reasoning.open_tag,
+            close_tag=f.reasoning.close_tag,
+        ),
+    )
+    for f in _TABLE
+    if f.reasoning is not None
 )
 
 
@@ -147,12 +99,9 @@ def detect_reasoning(template_source: str, vocab: set[str] | None = None) -> Rea
     # tokenizers carry them); the template must know about them.
     del vocab
     src = template_source
-    if "<|channel|>" in src:
-        return HARMONY_REASONING
-    if "<|channel>" in src or "<|think|>" in src:
-        return GEMMA4_REASONING
-    if "[THINK]" in src:
-        return MISTRAL_REASONING
+    for markers, info in _FAMILY_REASONING:
+        if any(m in src for m in markers):
+            return info
     if "<think>" not in src and "</think>" not in src:
         return ReasoningInfo()
     kwarg, default_on = _reasoning_switch(src)

@@ -1,6 +1,6 @@
 """Building llguidance Lark grammars as text: named rules, literals, special tokens, regexes.
 
-Used by :mod:`mlx_cairn.constrain.tool_grammars` (one table of tool-call syntaxes) and
+Used by :mod:`mlx_cairn.constrain.tool_grammars` (each family's tool-call grammar) and
 :mod:`mlx_cairn.constrain.tool_values` (how argument values are written). Two facts of
 llguidance's lexer shape everything here:
 

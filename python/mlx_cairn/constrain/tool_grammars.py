@@ -4,9 +4,11 @@ A forced call (``tool_choice`` required / a named tool) and a strict tool
 under ``auto`` are constrained in exactly the syntax the family's Rust parser
 reads (``rust/text``: ``parser.rs``, ``toolcall.rs``, ``formats/``), as the
 chat templates write it, so the parser turns the output into the call the
-grammar allowed. :data:`SYNTAXES` is the one table: for each family, the tag
-that opens its calls, what comes around and between calls, and how one call
-is written; :mod:`mlx_cairn.constrain.tool_values` says how its argument values are::
+grammar allowed. The layout of each family's calls (the tag that opens them,
+what comes around and between calls, its tags) is its entry's ``calls`` in the
+table :mod:`mlx_cairn.tool_families`; :data:`WRITERS` write one call (the entry
+names its writer), :data:`SYNTAXES` joins the two, and
+:mod:`mlx_cairn.constrain.tool_values` says how argument values are::
 
     family       calls                                                            values
     hermes       <tool_call>\\n{"name": N, "arguments": {..}}\\n</tool_call>        JSON
@@ -40,6 +42,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from mlx_cairn import tool_families
 from mlx_cairn.constrain.lark_text import Rules, Schema, listing, q, token_ranges, without
 from mlx_cairn.constrain.tool_values import (
     GEMMA,
@@ -54,14 +57,24 @@ from mlx_cairn.types import Tool
 
 
 @dataclass(frozen=True)
+class Writer:
+    """Writes one call (``call(r, tool)``: its grammar) and, for a family whose
+    model may write something before its calls, that (``lead(r)``)."""
+
+    call: Callable[[Rules, Tool], str]
+    lead: Callable[[Rules], str] | None = None
+
+
+@dataclass(frozen=True)
 class Syntax:
-    """How one family writes tool calls.
+    """How one family writes tool calls: its table entry's layout and its writer.
 
     Forced: ``lead? open head call (sep call)* tail`` (one call when ``sep``
     is None or parallel calls are off). ``call(r, tool)`` is the grammar of
     one call of ``tool``. ``open`` is what a strict-tools grammar under
     ``auto`` waits for (None: the family has no opening tag). ``markers``:
     the family's tags, matched as special tokens where the tokenizer has them.
+    (:class:`mlx_cairn.tool_families.Calls` describes the fields.)
     """
 
     open: str | None
@@ -152,7 +165,7 @@ def _pairs(
 QWEN3_VALUES = RawValues(
     "\n</parameter>\n",
     ("</parameter>", "</function>", "</tool_call>", "<parameter=", "<function=", "<tool_call>"),
-    json_first=True,
+    json_first=not tool_families.FAMILY["qwen3_coder"].schema_typed,
 )
 GLM_VALUES = RawValues(
     "</arg_value>", ("</arg_value>", "</tool_call>", "<arg_key>", "<arg_value>", "<tool_call>")
@@ -247,51 +260,30 @@ def _python_call(r: Rules, t: Tool) -> str:
     return f'{q(name + "(")} {listing(r, items, q(", "), free=free_g)} ")"'
 
 
-_TAGGED = ("<tool_call>", "</tool_call>")
+#: writer name (``tool_families.Calls.writer``) -> how it writes one call.
+WRITERS: dict[str, Writer] = {
+    "json_arguments": Writer(_json_call("arguments")),
+    "json_parameters": Writer(_json_call("parameters")),
+    "qwen3_coder": Writer(_qwen3_call),
+    "glm45": Writer(_glm_call),
+    "minimax_m2": Writer(_minimax_call),
+    "deepseek_v3": Writer(_deepseek_call),
+    "kimi_k2": Writer(_kimi_call),
+    "harmony": Writer(_harmony_call, lead=_harmony_lead),
+    "gemma4": Writer(_gemma_call),
+    "pythonic": Writer(_python_call),
+}
 
-#: family -> how it writes calls. A family without an entry gets no grammar.
-SYNTAXES: dict[str, Syntax] = {
-    "hermes": Syntax(
-        "<tool_call>", "\n", "\n</tool_call>\n<tool_call>\n", "\n</tool_call>",
-        _json_call("arguments"), markers=_TAGGED,
-    ),
-    "llama3": Syntax(None, "", "; ", "", _json_call("parameters")),
-    "mistral": Syntax(
-        "[TOOL_CALLS]", "[", ", ", "]", _json_call("arguments"), markers=("[TOOL_CALLS]",)
-    ),
-    "qwen3_coder": Syntax(
-        "<tool_call>", "\n", "\n</tool_call>\n<tool_call>\n", "\n</tool_call>", _qwen3_call,
-        markers=_TAGGED,
-    ),
-    "glm45": Syntax(
-        "<tool_call>", "", "\n</tool_call>\n<tool_call>", "\n</tool_call>", _glm_call,
-        markers=(*_TAGGED, "<arg_key>", "</arg_key>", "<arg_value>", "</arg_value>"),
-    ),
-    "minimax_m2": Syntax(
-        "<minimax:tool_call>", "\n", "\n", "\n</minimax:tool_call>", _minimax_call,
-        markers=("<minimax:tool_call>", "</minimax:tool_call>"),
-    ),
-    "deepseek_v3": Syntax(
-        DS_CALLS, "", "\n", DS_CALLS_END, _deepseek_call,
-        markers=(DS_CALLS, DS_CALLS_END, DS_CALL, DS_CALL_END, DS_SEP),
-    ),
-    "kimi_k2": Syntax(
-        "<|tool_calls_section_begin|>", "", "", "<|tool_calls_section_end|>", _kimi_call,
-        markers=(
-            "<|tool_calls_section_begin|>", "<|tool_calls_section_end|>", "<|tool_call_begin|>",
-            "<|tool_call_argument_begin|>", "<|tool_call_end|>",
-        ),
-    ),
-    "harmony": Syntax(
-        None, "", None, "", _harmony_call, lead=_harmony_lead,
-        markers=("<|channel|>", "<|constrain|>", "<|message|>", "<|end|>", "<|start|>"),
-    ),
-    "gemma4": Syntax(
-        "<|tool_call>", "", "<tool_call|><|tool_call>", "<tool_call|>", _gemma_call,
-        markers=("<|tool_call>", "<tool_call|>", GEMMA.quote),
-    ),
-    "pythonic": Syntax(None, "[", ", ", "]", _python_call),
-}  # fmt: skip
+
+def _syntax(calls: tool_families.Calls) -> Syntax:
+    w = WRITERS[calls.writer]
+    return Syntax(
+        calls.open, calls.head, calls.sep, calls.tail, w.call, markers=calls.markers, lead=w.lead
+    )
+
+
+#: family -> how it writes calls (every family of the table).
+SYNTAXES: dict[str, Syntax] = {f.name: _syntax(f.calls) for f in tool_families.FAMILIES}
 
 
 def _calls(syn: Syntax, r: Rules, tools: list[Tool], parallel: bool) -> str:

@@ -9,6 +9,7 @@ from mlx_cairn.chat.detect import ReasoningInfo
 from mlx_cairn.chat.prompt import Prompt, build_prompt
 from mlx_cairn.chat.template import ChatTemplate
 from mlx_cairn.chat.tokenizer import Tokenizer
+from mlx_cairn.tool_families import TEMPLATE_FALLBACK, VOCAB_TOKENS
 from mlx_cairn.types import ChatRequest
 
 if TYPE_CHECKING:
@@ -35,7 +36,7 @@ class LoadedModel:
     template: ChatTemplate
     #: Every id that ends generation (generation_config, tokenizer config, GGUF).
     eos_token_ids: set[int]
-    #: Tool-call output format: "hermes" | "qwen3_coder" | "llama3" | "mistral" | None.
+    #: Tool-call output format: a family of ``mlx_cairn.tool_families``, or None.
     parser_family: str | None
     reasoning: ReasoningInfo
     context_length: int
@@ -96,16 +97,12 @@ def assemble(
         pad_token=tokenizer.pad_token,
         unk_token=tokenizer.unk_token,
     )
-    vocab = {
-        t
-        for t in ("<think>", "</think>", "<tool_call>", "[TOOL_CALLS]")
-        if tokenizer.token_to_id(t) is not None
-    }
+    vocab = {t for t in VOCAB_TOKENS if tokenizer.token_to_id(t) is not None}
     if parser_family == "auto":
         parser_family = detect_parser_family(template_source, vocab)
         if parser_family is None and not template.handles_tools:
             # ChatTemplate spells tools in the Hermes format for such templates.
-            parser_family = "hermes"
+            parser_family = TEMPLATE_FALLBACK
     if reasoning is None:
         reasoning = detect_reasoning(template_source, vocab)
     if tokenizer.eos_token_id is not None:
