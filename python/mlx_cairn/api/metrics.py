@@ -55,6 +55,8 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from mlx_cairn.types import Done, Error, Event
 
+Family = GaugeMetricFamily | CounterMetricFamily
+
 #: Seconds; from a cached short prompt (milliseconds) to a long cold prefill on CPU.
 TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80, 160)
 #: Seconds per decoded token; 135M on CPU is ~0.07, a big model on a laptop ~0.2.
@@ -203,44 +205,54 @@ class _EngineCollector:
         load_s = gauge("cairn_model_load_seconds", "Duration of its last load.", ["model"])
         loads = counter("cairn_model_loads", "Loads that succeeded.", ["model"])
         unloads = counter("cairn_model_unloads", "Unloads (LRU, idle or explicit).", ["model"])
+        # Each sample of an engine's stats: (family, labels after the model name, stats field).
+        per_engine: tuple[tuple[Family, tuple[str, ...], str], ...] = (
+            (queue, (), "queue_depth"),
+            (running, (), "running"),
+            (blocks, ("free",), "blocks_free"),
+            (blocks, ("cached",), "blocks_cached"),
+            (blocks, ("in_use",), "blocks_in_use"),
+            (total, (), "blocks_total"),
+            (pool_tokens, (), "kv_pool_tokens"),
+            (hits, (), "prefix_hit_tokens"),
+            (generated, (), "generated_tokens"),
+            (preempt, (), "preemptions"),
+            (outcomes, ("completed",), "requests_completed"),
+            (outcomes, ("failed",), "requests_failed"),
+            (outcomes, ("cancelled",), "requests_cancelled"),
+            (disk_blocks, (), "disk_blocks"),
+            (disk_bytes, (), "disk_bytes"),
+            (disk_hits, (), "disk_hit_blocks"),
+            (disk_io, ("read",), "disk_read_bytes"),
+            (disk_io, ("write",), "disk_write_bytes"),
+            (disk_s, ("read",), "disk_read_seconds"),
+            (disk_s, ("write",), "disk_write_seconds"),
+            (snaps, (), "state_snapshots"),
+            (snap_bytes, (), "state_snapshot_bytes"),
+            (snap_hits, (), "state_snapshot_hit_tokens"),
+            (spec, ("draft",), "spec_draft_tokens"),
+            (spec, ("accepted",), "spec_accepted_tokens"),
+            (spec_rows, (), "spec_verify_rows"),
+        )
+        # The registry's own per-model fields (absent or None on a model never loaded: 0).
+        per_model: tuple[tuple[Family, str], ...] = (
+            (last_used, "last_used"),
+            (load_s, "load_seconds"),
+            (loads, "loads"),
+            (unloads, "unloads"),
+        )
         for sm in self.models.models:
             name = sm.name
             engine = sm.engine
             loaded.add_metric([name], 1.0 if engine is not None else 0.0)
             memory.add_metric([name], float(sm.memory_bytes) if engine is not None else 0.0)
-            last_used.add_metric([name], float(getattr(sm, "last_used", None) or 0.0))
-            load_s.add_metric([name], float(getattr(sm, "load_seconds", None) or 0.0))
-            loads.add_metric([name], float(getattr(sm, "loads", 0)))
-            unloads.add_metric([name], float(getattr(sm, "unloads", 0)))
+            for family, field in per_model:
+                family.add_metric([name], float(getattr(sm, field, None) or 0))
             if engine is None:
                 continue
             st = engine.stats()
-            queue.add_metric([name], float(st.queue_depth))
-            running.add_metric([name], float(st.running))
-            blocks.add_metric([name, "free"], float(st.blocks_free))
-            blocks.add_metric([name, "cached"], float(st.blocks_cached))
-            blocks.add_metric([name, "in_use"], float(st.blocks_in_use))
-            total.add_metric([name], float(st.blocks_total))
-            pool_tokens.add_metric([name], float(st.kv_pool_tokens))
-            hits.add_metric([name], float(st.prefix_hit_tokens))
-            generated.add_metric([name], float(st.generated_tokens))
-            preempt.add_metric([name], float(st.preemptions))
-            outcomes.add_metric([name, "completed"], float(st.requests_completed))
-            outcomes.add_metric([name, "failed"], float(st.requests_failed))
-            outcomes.add_metric([name, "cancelled"], float(st.requests_cancelled))
-            disk_blocks.add_metric([name], float(st.disk_blocks))
-            disk_bytes.add_metric([name], float(st.disk_bytes))
-            disk_hits.add_metric([name], float(st.disk_hit_blocks))
-            disk_io.add_metric([name, "read"], float(st.disk_read_bytes))
-            disk_io.add_metric([name, "write"], float(st.disk_write_bytes))
-            disk_s.add_metric([name, "read"], float(st.disk_read_seconds))
-            disk_s.add_metric([name, "write"], float(st.disk_write_seconds))
-            snaps.add_metric([name], float(st.state_snapshots))
-            snap_bytes.add_metric([name], float(st.state_snapshot_bytes))
-            snap_hits.add_metric([name], float(st.state_snapshot_hit_tokens))
-            spec.add_metric([name, "draft"], float(st.spec_draft_tokens))
-            spec.add_metric([name, "accepted"], float(st.spec_accepted_tokens))
-            spec_rows.add_metric([name], float(st.spec_verify_rows))
+            for family, labels, field in per_engine:
+                family.add_metric([name, *labels], float(getattr(st, field)))
         yield from (
             loaded,
             queue,
