@@ -15,12 +15,26 @@ from __future__ import annotations
 import copy
 from typing import Any
 
+
+def _body(required: list[str], properties: dict[str, Any]) -> dict[str, Any]:
+    """A request body: a JSON object with these required fields and properties."""
+    return {"type": "object", "required": required, "properties": properties}
+
+
 _STR = {"type": "string"}
 _NAME = {"type": "string", "minLength": 1}
 _INT = {"type": "integer"}
 _TOP_P = {"type": "number", "exclusiveMinimum": 0, "maximum": 1}
 _BOOL = {"type": "boolean"}
 _OBJ = {"type": "object"}
+_POS_INT = {"type": "integer", "minimum": 1}
+_NONNEG_INT = {"type": "integer", "minimum": 0}
+_TEMPERATURE = {"type": "number", "minimum": 0, "maximum": 2}
+_TOP_LOGPROBS = {"type": "integer", "minimum": 0, "maximum": 20}
+_STREAM_OPTIONS = {"type": "object", "properties": {"include_usage": _BOOL}}
+_OPENAI_TOOL_CHOICE = {"anyOf": [{"enum": ["auto", "none", "required"]}, _OBJ]}
+_KEEP_ALIVE = {"anyOf": [{"type": "number"}, _STR]}
+_TOKEN_IDS = {"type": "array", "minItems": 1, "items": _NONNEG_INT}
 _TEXT_BLOCK = {
     "type": "object",
     "required": ["type", "text"],
@@ -97,36 +111,30 @@ _JSON_SCHEMA_FORMAT = {
     "required": ["type"],
     "properties": {"type": {"enum": ["text", "json_object", "json_schema"]}, "schema": _OBJ},
 }
-MESSAGES_BODY: dict[str, Any] = {
-    "type": "object",
-    "required": ["model", "max_tokens", "messages"],
-    "properties": {
+MESSAGES_BODY = _body(
+    ["model", "max_tokens", "messages"],
+    {
         **_ANTHROPIC_COMMON,
-        "max_tokens": {"type": "integer", "minimum": 1},
+        "max_tokens": _POS_INT,
         "stream": _BOOL,
         "stop_sequences": {"type": "array", "items": _STR},
         "temperature": {"type": "number", "minimum": 0, "maximum": 1},
         "top_p": _TOP_P,
-        "top_k": {"type": "integer", "minimum": 0},
+        "top_k": _NONNEG_INT,
         "seed": _INT,
         **_SAMPLING_EXTRAS,
         "metadata": _OBJ,
     },
-}
-COUNT_TOKENS_BODY: dict[str, Any] = {
-    "type": "object",
-    "required": ["model", "messages"],
-    "properties": dict(_ANTHROPIC_COMMON),
-}
+)
+COUNT_TOKENS_BODY = _body(["model", "messages"], dict(_ANTHROPIC_COMMON))
 _FUNCTION = {
     "type": "object",
     "required": ["name"],
     "properties": {"name": _NAME, "description": _STR, "parameters": _OBJ},
 }
-CHAT_BODY: dict[str, Any] = {
-    "type": "object",
-    "required": ["model", "messages"],
-    "properties": {
+CHAT_BODY = _body(
+    ["model", "messages"],
+    {
         "model": _NAME,
         "messages": {
             "type": "array",
@@ -145,11 +153,7 @@ CHAT_BODY: dict[str, Any] = {
                             {"type": "null"},
                             {
                                 "type": "array",
-                                "items": {
-                                    "type": "object",
-                                    "required": ["type", "text"],
-                                    "properties": {"type": {"const": "text"}, "text": _STR},
-                                },
+                                "items": _TEXT_BLOCK,
                             },
                         ]
                     },
@@ -174,12 +178,12 @@ CHAT_BODY: dict[str, Any] = {
                 },
             },
         },
-        "max_tokens": {"type": "integer", "minimum": 1},
-        "max_completion_tokens": {"type": "integer", "minimum": 1},
+        "max_tokens": _POS_INT,
+        "max_completion_tokens": _POS_INT,
         "stream": _BOOL,
-        "stream_options": {"type": "object", "properties": {"include_usage": _BOOL}},
+        "stream_options": _STREAM_OPTIONS,
         "stop": {"anyOf": [_STR, {"type": "array", "items": _STR}]},
-        "temperature": {"type": "number", "minimum": 0, "maximum": 2},
+        "temperature": _TEMPERATURE,
         "top_p": _TOP_P,
         "seed": _INT,
         "n": {"type": "integer", "enum": [1], "description": "only 1 is supported"},
@@ -191,13 +195,13 @@ CHAT_BODY: dict[str, Any] = {
                 "properties": {"type": {"const": "function"}, "function": _FUNCTION},
             },
         },
-        "tool_choice": {"anyOf": [{"enum": ["auto", "none", "required"]}, _OBJ]},
+        "tool_choice": _OPENAI_TOOL_CHOICE,
         "parallel_tool_calls": _BOOL,
         "reasoning_effort": _STR,
-        "top_k": {"type": "integer", "minimum": 0},
+        "top_k": _NONNEG_INT,
         **_SAMPLING_EXTRAS,
         "logprobs": _BOOL,
-        "top_logprobs": {"type": "integer", "minimum": 0, "maximum": 20},
+        "top_logprobs": _TOP_LOGPROBS,
         "response_format": {
             "type": "object",
             "required": ["type"],
@@ -210,36 +214,34 @@ CHAT_BODY: dict[str, Any] = {
             },
         },
     },
-}
-_PROMPT_IDS = {"type": "array", "minItems": 1, "items": {"type": "integer", "minimum": 0}}
-COMPLETIONS_BODY: dict[str, Any] = {
-    "type": "object",
-    "required": ["model", "prompt"],
-    "properties": {
+)
+COMPLETIONS_BODY = _body(
+    ["model", "prompt"],
+    {
         "model": _NAME,
         "prompt": {
             "anyOf": [
                 _NAME,
                 {"type": "array", "minItems": 1, "items": _NAME},
-                _PROMPT_IDS,
-                {"type": "array", "minItems": 1, "items": _PROMPT_IDS},
+                _TOKEN_IDS,
+                {"type": "array", "minItems": 1, "items": _TOKEN_IDS},
             ]
         },
         "suffix": _STR,
-        "max_tokens": {"type": "integer", "minimum": 1},
-        "temperature": {"type": "number", "minimum": 0, "maximum": 2},
+        "max_tokens": _POS_INT,
+        "temperature": _TEMPERATURE,
         "top_p": _TOP_P,
-        "top_k": {"type": "integer", "minimum": 0},
+        "top_k": _NONNEG_INT,
         "n": {"type": "integer", "minimum": 1, "maximum": 64},
         "stop": {"anyOf": [_NAME, {"type": "array", "items": _NAME}]},
         "seed": _INT,
-        "logprobs": {"type": "integer", "minimum": 0, "maximum": 20},
+        "logprobs": _TOP_LOGPROBS,
         "echo": _BOOL,
         "stream": _BOOL,
-        "stream_options": {"type": "object", "properties": {"include_usage": _BOOL}},
+        "stream_options": _STREAM_OPTIONS,
         **_SAMPLING_EXTRAS,
     },
-}
+)
 INFILL_BODY: dict[str, Any] = {
     "type": "object",
     "properties": {
@@ -251,9 +253,9 @@ INFILL_BODY: dict[str, Any] = {
             "type": "array",
             "items": {"type": "object", "properties": {"filename": _STR, "text": _STR}},
         },
-        "n_predict": {"type": "integer", "minimum": 1},
+        "n_predict": _POS_INT,
         "temperature": {"type": "number", "minimum": 0},
-        "top_k": {"type": "integer", "minimum": 0},
+        "top_k": _NONNEG_INT,
         "top_p": {"type": "number", "minimum": 0, "maximum": 1},
         "min_p": {"type": "number", "minimum": 0, "maximum": 1},
         "seed": _INT,
@@ -261,10 +263,9 @@ INFILL_BODY: dict[str, Any] = {
         "stream": _BOOL,
     },
 }
-RESPONSES_BODY: dict[str, Any] = {
-    "type": "object",
-    "required": ["model", "input"],
-    "properties": {
+RESPONSES_BODY = _body(
+    ["model", "input"],
+    {
         "model": _NAME,
         "input": {
             "anyOf": [
@@ -287,17 +288,17 @@ RESPONSES_BODY: dict[str, Any] = {
             ]
         },
         "instructions": _STR,
-        "max_output_tokens": {"type": "integer", "minimum": 1},
-        "temperature": {"type": "number", "minimum": 0, "maximum": 2},
+        "max_output_tokens": _POS_INT,
+        "temperature": _TEMPERATURE,
         "top_p": _TOP_P,
         "stream": _BOOL,
         "store": _BOOL,
         "previous_response_id": _STR,
         "metadata": {"type": "object", "additionalProperties": _STR},
-        "top_logprobs": {"type": "integer", "minimum": 0, "maximum": 20},
+        "top_logprobs": _TOP_LOGPROBS,
         "include": {"type": "array", "items": _STR},
         "text": {"type": "object", "properties": {"format": _JSON_SCHEMA_FORMAT}},
-        "tool_choice": {"anyOf": [{"enum": ["auto", "none", "required"]}, _OBJ]},
+        "tool_choice": _OPENAI_TOOL_CHOICE,
         "parallel_tool_calls": _BOOL,
         "tools": {
             "type": "array",
@@ -313,34 +314,33 @@ RESPONSES_BODY: dict[str, Any] = {
             },
         },
     },
-}
+)
 
 _OLLAMA_COMMON: dict[str, Any] = {
     "model": _NAME,
     "stream": _BOOL,
     "format": {"anyOf": [{"enum": ["", "json"]}, _OBJ]},
     "think": {"anyOf": [_BOOL, {"enum": ["low", "medium", "high"]}]},
-    "keep_alive": {"anyOf": [{"type": "number"}, _STR]},
+    "keep_alive": _KEEP_ALIVE,
     "logprobs": _BOOL,
-    "top_logprobs": {"type": "integer", "minimum": 0, "maximum": 20},
+    "top_logprobs": _TOP_LOGPROBS,
     "options": {
         "type": "object",
         "properties": {
-            "temperature": {"type": "number", "minimum": 0, "maximum": 2},
+            "temperature": _TEMPERATURE,
             "top_p": _TOP_P,
-            "top_k": {"type": "integer", "minimum": 0},
+            "top_k": _NONNEG_INT,
             "seed": _INT,
             "num_predict": {"type": "integer", "minimum": -2},
-            "num_ctx": {"type": "integer", "minimum": 1},
+            "num_ctx": _POS_INT,
             "stop": {"type": "array", "items": _NAME},
             "repeat_penalty": {"type": "number", "exclusiveMinimum": 0, "maximum": 10},
         },
     },
 }
-OLLAMA_CHAT_BODY: dict[str, Any] = {
-    "type": "object",
-    "required": ["model", "messages"],
-    "properties": {
+OLLAMA_CHAT_BODY = _body(
+    ["model", "messages"],
+    {
         **_OLLAMA_COMMON,
         "messages": {
             "type": "array",
@@ -371,11 +371,10 @@ OLLAMA_CHAT_BODY: dict[str, Any] = {
         },
         "tools": CHAT_BODY["properties"]["tools"],
     },
-}
-OLLAMA_GENERATE_BODY: dict[str, Any] = {
-    "type": "object",
-    "required": ["model"],
-    "properties": {
+)
+OLLAMA_GENERATE_BODY = _body(
+    ["model"],
+    {
         **_OLLAMA_COMMON,
         "prompt": _STR,
         "system": _STR,
@@ -383,47 +382,40 @@ OLLAMA_GENERATE_BODY: dict[str, Any] = {
         "raw": _BOOL,
         "context": {"type": "array", "items": _INT},
     },
-}
+)
 
-_TOKENS = {"type": "array", "minItems": 1, "items": {"type": "integer", "minimum": 0}}
-EMBEDDINGS_BODY: dict[str, Any] = {
-    "type": "object",
-    "required": ["model", "input"],
-    "properties": {
+EMBEDDINGS_BODY = _body(
+    ["model", "input"],
+    {
         "model": _NAME,
         "input": {
             "anyOf": [
                 _NAME,
                 {"type": "array", "minItems": 1, "maxItems": 2048, "items": _NAME},
-                _TOKENS,
-                {"type": "array", "minItems": 1, "maxItems": 2048, "items": _TOKENS},
+                _TOKEN_IDS,
+                {"type": "array", "minItems": 1, "maxItems": 2048, "items": _TOKEN_IDS},
             ]
         },
         "encoding_format": {"enum": ["float", "base64"]},
-        "dimensions": {"type": "integer", "minimum": 1},
+        "dimensions": _POS_INT,
         "user": _STR,
     },
-}
+)
 _OLLAMA_EMBED_COMMON: dict[str, Any] = {
     "model": _NAME,
     "options": _OBJ,
-    "keep_alive": {"anyOf": [{"type": "number"}, _STR]},
+    "keep_alive": _KEEP_ALIVE,
 }
-OLLAMA_EMBED_BODY: dict[str, Any] = {
-    "type": "object",
-    "required": ["model"],
-    "properties": {
+OLLAMA_EMBED_BODY = _body(
+    ["model"],
+    {
         **_OLLAMA_EMBED_COMMON,
         "input": {"anyOf": [_STR, {"type": "array", "maxItems": 2048, "items": _NAME}]},
         "truncate": _BOOL,
-        "dimensions": {"type": "integer", "minimum": 1},
+        "dimensions": _POS_INT,
     },
-}
-OLLAMA_EMBEDDINGS_BODY: dict[str, Any] = {
-    "type": "object",
-    "required": ["model"],
-    "properties": {**_OLLAMA_EMBED_COMMON, "prompt": _STR},
-}
+)
+OLLAMA_EMBEDDINGS_BODY = _body(["model"], {**_OLLAMA_EMBED_COMMON, "prompt": _STR})
 
 #: (path, method) -> request-body schema.
 BODIES: dict[tuple[str, str], dict[str, Any]] = {
