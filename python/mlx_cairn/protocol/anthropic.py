@@ -47,6 +47,7 @@ from mlx_cairn.protocol.base import (
     each_object,
     fail,
     is_int,
+    nonempty_list,
     required_model,
     short,
     speculative_switch,
@@ -210,10 +211,7 @@ def _system_text(system: Any, param: str, *, drop_billing: bool = False) -> str:
 
 
 def _map_messages(raw: Any, reader: ImageReader) -> list[Message]:
-    if not isinstance(raw, list):
-        raise fail("messages", "must be a list")
-    if not raw:
-        raise fail("messages", "must not be empty")
+    raw = nonempty_list(raw, "messages")
     out: list[Message] = []
     tool_order: dict[str, int] = {}  # tool_use id -> position in the last assistant turn
     tool_names: dict[str, str] = {}

@@ -169,6 +169,15 @@ def each_object(raw: Any, field: str) -> Iterator[tuple[str, dict[str, Any]]]:
         yield param, item
 
 
+def nonempty_list(raw: Any, field: str) -> list[Any]:
+    """``raw`` when it is a non-empty list; a 400 naming ``field`` otherwise."""
+    if not isinstance(raw, list):
+        raise fail(field, "must be a list")
+    if not raw:
+        raise fail(field, "must not be empty")
+    return raw
+
+
 def opt_bool(body: dict[str, Any], key: str, default: bool) -> bool:
     """``body[key]`` when it is a boolean, ``default`` when absent; a 400 otherwise."""
     v = body.get(key)

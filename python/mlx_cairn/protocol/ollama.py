@@ -61,6 +61,7 @@ from mlx_cairn.protocol.base import (
     fail,
     is_int,
     is_num,
+    nonempty_list,
     opt_bool,
     required_model,
     short,
@@ -403,10 +404,7 @@ def _images(raw: Any, param: str, reader: ImageReader) -> list[Image]:
 
 
 def _map_messages(raw: Any, reader: ImageReader) -> list[Message]:
-    if not isinstance(raw, list):
-        raise fail("messages", "must be a list")
-    if not raw:
-        raise fail("messages", "must not be empty")
+    raw = nonempty_list(raw, "messages")
     out: list[Message] = []
     pending: list[ToolCall] = []  # calls of the last assistant turn not answered yet
     for i, m in enumerate(raw):

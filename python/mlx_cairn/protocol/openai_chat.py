@@ -57,6 +57,7 @@ from mlx_cairn.errors import InvalidRequest, error_kind
 from mlx_cairn.protocol.base import (
     WireEvent,
     each_object,
+    nonempty_list,
     required_model,
     speculative_usage,
     timings_body,
@@ -173,10 +174,7 @@ def parse_chat_request(
 
 
 def _map_messages(raw: Any, reader: ImageReader) -> list[Message]:
-    if not isinstance(raw, list):
-        raise fail("messages", "must be a list")
-    if not raw:
-        raise fail("messages", "must not be empty")
+    raw = nonempty_list(raw, "messages")
     out: list[Message] = []
     names: dict[str, str] = {}  # tool call id -> function name
     for i, m in enumerate(raw):
@@ -284,11 +282,9 @@ class ChatCodec(ChunkWire):
         completion_id: str | None = None,
         created: int | None = None,
     ) -> None:
-        super().__init__(model, "chatcmpl-", completion_id, created)
-        #: The request asked for logprobs: text chunks carry them.
-        self.logprobs = logprobs
-        self.input_tokens = input_tokens
-        self.include_usage = include_usage
+        super().__init__(
+            model, "chatcmpl-", completion_id, created, input_tokens, include_usage, logprobs
+        )
         self.allow_tools = allow_tools
         self._role_sent = False
         self._calls = 0

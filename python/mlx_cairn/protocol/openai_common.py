@@ -435,14 +435,28 @@ def logprob_entry(ev: TokenLogprob) -> dict[str, Any]:
 
 class ChunkWire:
     """What the OpenAI chunk codecs (Chat, legacy Completions) share: the chunk
-    envelope with their ``OBJECT`` name, and the keep-alive ping."""
+    envelope with their ``OBJECT`` name, the usage and logprobs switches, and
+    the keep-alive ping."""
 
     OBJECT = ""
 
-    def __init__(self, model: str, id_prefix: str, completion_id: str | None, created: int | None):
+    def __init__(
+        self,
+        model: str,
+        id_prefix: str,
+        completion_id: str | None,
+        created: int | None,
+        input_tokens: int,
+        include_usage: bool,
+        logprobs: bool,
+    ):
         self.model = model
         self.id = completion_id or new_id(id_prefix)
         self.created = created if created is not None else int(time.time())
+        self.input_tokens = input_tokens
+        self.include_usage = include_usage
+        #: The request asked for logprobs: text chunks carry them.
+        self.logprobs = logprobs
 
     def ping(self) -> bytes:
         """An SSE comment (clients ignore it)."""

@@ -236,10 +236,9 @@ class CompletionCodec(ChunkWire):
         completion_id: str | None = None,
         created: int | None = None,
     ) -> None:
-        super().__init__(model, "cmpl-", completion_id, created)
-        self.input_tokens = input_tokens
-        self.include_usage = include_usage
-        self.logprobs = logprobs
+        super().__init__(
+            model, "cmpl-", completion_id, created, input_tokens, include_usage, logprobs
+        )
         self._echo = echo or []
         self._choices = [
             _Choice(len(self._echo[i]) if i < len(self._echo) else 0) for i in range(num_choices)
