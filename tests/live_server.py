@@ -111,6 +111,23 @@ def engine_text(folder: Path, prompt: str, max_tokens: int) -> str:
     return lm.tokenizer.decode(ids)
 
 
+def wait_healthy(
+    url: str, proc: subprocess.Popen[bytes], log: Path, *, timeout: float = 120, what: str = ""
+) -> None:
+    """Wait until ``url`` answers /health with 200; fail with ``log`` if ``proc`` exits
+    first, or with "``what`` did not start" (default: the url) after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while True:
+        assert proc.poll() is None, log.read_text()
+        try:
+            if httpx.get(url + "/health", timeout=1).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        assert time.monotonic() < deadline, f"{what or url} did not start"
+        time.sleep(0.2)
+
+
 @contextmanager
 def cairn_serve(args: list[str], log: Path) -> Iterator[tuple[str, subprocess.Popen[bytes]]]:
     """A real ``cairn serve`` process on a free loopback port (no API key), up and
@@ -125,16 +142,7 @@ def cairn_serve(args: list[str], log: Path) -> Iterator[tuple[str, subprocess.Po
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 120
-        while True:
-            assert proc.poll() is None, log.read_text()
-            try:
-                if httpx.get(url + "/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert time.monotonic() < deadline, "cairn serve did not start"
-            time.sleep(0.2)
+        wait_healthy(url, proc, log, what="cairn serve")
         yield url, proc
     finally:
         if proc.poll() is None:

@@ -32,13 +32,12 @@ from contextlib import contextmanager
 from pathlib import Path
 from types import SimpleNamespace
 
-import httpx
 import numpy as np
 import openai
 import pytest
 
 from distributed_ranks import TINY_POOL_BLOCKS, preempt_workload, workload
-from live_server import free_port, serve
+from live_server import free_port, serve, wait_healthy
 from mlx_cairn.api import ModelRegistry
 from mlx_cairn.engine.distributed import (
     EXIT_RANK_LOST,
@@ -189,16 +188,7 @@ def _ranks(
             )
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 90
-        while True:
-            assert procs[0].poll() is None, (tmp_path / "rank0.log").read_text()
-            try:
-                if httpx.get(url + "/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert time.monotonic() < deadline, "the ranks did not start"
-            time.sleep(0.2)
+        wait_healthy(url, procs[0], tmp_path / "rank0.log", timeout=90, what="the ranks")
         yield url, procs
     finally:
         for p in procs:

@@ -271,7 +271,7 @@ def test_across_ranks_rank_zero_publishes(tmp_path):
 
     import httpx
 
-    from live_server import free_port
+    from live_server import free_port, wait_healthy
     from mlx_cairn.models import load
     from mlx_cairn.models.export import save_folder
     from mlx_cairn.testing.models import tiny_zoo_model
@@ -311,16 +311,7 @@ def test_across_ranks_rank_zero_publishes(tmp_path):
     sub.connect(endpoint)  # before rank 0 binds: it joins as soon as the socket is up
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 90
-        while True:
-            assert procs[0].poll() is None, (tmp_path / "rank0.log").read_text()
-            try:
-                if httpx.get(url + "/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert time.monotonic() < deadline, "the ranks did not start"
-            time.sleep(0.2)
+        wait_healthy(url, procs[0], tmp_path / "rank0.log", timeout=90, what="the ranks")
         time.sleep(0.5)  # the subscription reaches the PUB socket
         body = {"model": "tiny-llama", "max_tokens": 4, "temperature": 0}
         body["messages"] = [{"role": "user", "content": "Tell me about the ranks. " * 8}]

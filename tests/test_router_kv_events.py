@@ -21,7 +21,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from live_server import free_port
+from live_server import free_port, wait_healthy
 from mlx_cairn.models.export import save_folder
 from mlx_cairn.testing.models import tiny_model
 
@@ -59,19 +59,6 @@ def replicas(folder: Path, tmp: Path, n: int) -> Iterator[list[tuple[str, str]]]
                 proc.wait(20)
             except subprocess.TimeoutExpired:
                 proc.kill()
-
-
-def wait_healthy(url: str, proc: subprocess.Popen[bytes], log: Path) -> None:
-    deadline = time.monotonic() + 120
-    while True:
-        assert proc.poll() is None, log.read_text()
-        try:
-            if httpx.get(url + "/health", timeout=1).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        assert time.monotonic() < deadline, f"{url} did not start"
-        time.sleep(0.2)
 
 
 @contextmanager
