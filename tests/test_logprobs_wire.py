@@ -25,6 +25,7 @@ import pytest
 from hypothesis import example, given
 from hypothesis import strategies as st
 
+from codec_strategies import run
 from mlx_cairn.protocol.anthropic_stream import AnthropicCodec
 from mlx_cairn.protocol.openai_chat import ChatCodec
 from mlx_cairn.protocol.openai_common import VERY_UNLIKELY, logprob_entry
@@ -50,13 +51,6 @@ DONE = Done("end_turn", usage=Usage(5, 4, 0))
 
 def tl(token: str, lp: float = -0.5, top: tuple[TopLogprob, ...] = (), raw: bytes = b"") -> Any:
     return TokenLogprob(token, 1, lp, tuple(raw), top)
-
-
-def run(codec: Any, evs: list[Event]) -> list[Any]:
-    wire = codec.open()
-    for ev in evs:
-        wire += codec.feed(ev)
-    return wire
 
 
 def chat_codec(logprobs: bool = True, allow_tools: bool = True) -> ChatCodec:

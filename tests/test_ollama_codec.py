@@ -21,6 +21,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 from ollama import ChatResponse, GenerateResponse
 
+from codec_strategies import run, stop_reasons, texts, tool_calls, usages
 from mlx_cairn.errors import InvalidRequest
 from mlx_cairn.protocol.base import NDJSON
 from mlx_cairn.protocol.ollama import (
@@ -40,16 +41,8 @@ from mlx_cairn.types import (
     TokenLogprob,
     ToolCall,
     TopLogprob,
-    Usage,
 )
 
-texts = st.text(alphabet=st.sampled_from(list('ab \n{}"é😀')), max_size=6)
-tool_calls = st.builds(
-    ToolCall,
-    id=st.sampled_from(["x", "call_fixed"]),
-    name=st.sampled_from(["f", "get_weather"]),
-    arguments=st.sampled_from(['{"a": 1}', "{}", '{"s": "b\\n"}', "[1]", "not json"]),
-)
 token_logprobs = st.builds(
     lambda tok, lp, top: TokenLogprob(tok, 3, lp, (), tuple(top)),
     texts,
@@ -67,8 +60,8 @@ events = st.lists(
 )
 dones = st.builds(
     Done,
-    stop_reason=st.sampled_from(["end_turn", "max_tokens", "stop_sequence", "tool_use"]),
-    usage=st.builds(Usage, st.integers(1, 99), st.integers(0, 99), st.integers(0, 50)),
+    stop_reason=stop_reasons,
+    usage=usages,
     timings=st.builds(
         Timings,
         st.floats(0, 10),
@@ -137,9 +130,7 @@ def test_lines_parse_and_fold_to_the_json_answer(
         clock=clock(),
         now=lambda: "2025-01-01T00:00:00.000000Z",
     )
-    wire = codec.open()
-    for ev in [*evs, done]:
-        wire += codec.feed(ev)
+    wire = run(codec, [*evs, done])
     raw = b"".join(NDJSON.encode(w) for w in wire)
     assert raw.endswith(b"\n") and b"\n\n" not in raw
     lines = [orjson.loads(x) for x in raw.splitlines()]

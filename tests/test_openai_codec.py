@@ -26,6 +26,8 @@ from openai.types.chat import ChatCompletionChunk
 from openai.types.responses import ResponseStreamEvent
 from pydantic import TypeAdapter
 
+import codec_strategies as strategies
+from codec_strategies import dones, run, texts, tool_calls
 from mlx_cairn.api.openai_responses import ResponseStore
 from mlx_cairn.errors import InvalidRequest
 from mlx_cairn.protocol.openai_chat import ChatCodec, parse_chat_request
@@ -42,25 +44,12 @@ from mlx_cairn.types import (
     TextDelta,
     TokenLogprob,
     ToolCall,
-    TopLogprob,
-    Usage,
 )
 from test_openai_support import normalize
 
-texts = st.text(alphabet=st.sampled_from(list('ab \n{}"é😀')), max_size=6)
-tool_calls = st.builds(
-    ToolCall,
-    id=st.sampled_from(["x", "call_fixed"]),
-    name=st.sampled_from(["f", "get_weather"]),
-    arguments=st.sampled_from(['{"a": 1}', "{}", '{"s": "b\\n"}', "[1]", "not json"]),
-)
 logprobs_st = st.floats(max_value=1e-6) | st.just(-math.inf) | st.just(math.nan)
-token_logprobs = st.builds(
-    lambda tok, lp, raw, top: TokenLogprob(tok, 3, lp, raw, tuple(top)),
-    texts,
-    logprobs_st,
-    st.sampled_from([(), (0xE2,), (0x61, 0x62)]),
-    st.lists(st.builds(TopLogprob, texts, st.just(4), logprobs_st), max_size=3),
+token_logprobs = strategies.token_logprobs(
+    logprobs_st, raw=st.sampled_from([(), (0xE2,), (0x61, 0x62)])
 )
 events = st.lists(
     st.one_of(
@@ -72,18 +61,6 @@ events = st.lists(
     ),
     max_size=12,
 )
-dones = st.builds(
-    Done,
-    stop_reason=st.sampled_from(["end_turn", "max_tokens", "stop_sequence", "tool_use"]),
-    usage=st.builds(Usage, st.integers(1, 99), st.integers(0, 99), st.integers(0, 50)),
-)
-
-
-def run(codec: Any, evs: list[Event]) -> list[Any]:
-    wire = codec.open()
-    for ev in evs:
-        wire += codec.feed(ev)
-    return wire
 
 
 # ------------------------------------------------------------------ chat

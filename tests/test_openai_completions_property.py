@@ -26,6 +26,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from openai.types import Completion
 
+import codec_strategies as strategies
 from mlx_cairn.protocol.openai_completions import ChoiceEvent, CompletionCodec
 from mlx_cairn.testing.engine import assert_at_rest
 from mlx_cairn.types import (
@@ -35,20 +36,13 @@ from mlx_cairn.types import (
     TextDelta,
     TokenLogprob,
     ToolCall,
-    TopLogprob,
-    Usage,
 )
 from scripted_model import say
 from test_openai_support import normalize, openai_env
 
 texts = st.text(alphabet=st.sampled_from(list('ab \n{}"é😀')), max_size=5)
 logprobs_st = st.floats(max_value=0.0) | st.just(-math.inf) | st.just(math.nan)
-token_logprobs = st.builds(
-    lambda tok, lp, top: TokenLogprob(tok, 3, lp, (), tuple(top)),
-    texts,
-    logprobs_st,
-    st.lists(st.builds(TopLogprob, texts, st.just(4), logprobs_st), max_size=3),
-)
+token_logprobs = strategies.token_logprobs(logprobs_st, texts=texts)
 choice_events = st.lists(
     st.one_of(
         st.builds(TextDelta, texts),
@@ -62,7 +56,7 @@ choice_events = st.lists(
 done = st.builds(
     Done,
     stop_reason=st.sampled_from(["end_turn", "max_tokens", "stop_sequence"]),
-    usage=st.builds(Usage, st.integers(1, 99), st.integers(0, 99), st.integers(0, 50)),
+    usage=strategies.usages,
 )
 
 
