@@ -70,6 +70,7 @@ from mlx_cairn.protocol.openai_common import (
     LogprobHold,
     TextGate,
     chat_request,
+    chunk_payloads,
     content_text,
     error_body,
     fail,
@@ -448,11 +449,7 @@ def fold_chunks(wire: list[WireEvent]) -> dict[str, Any]:
     logprobs: dict[str, Any] | None = None
     finish: str | None = None
     usage: dict[str, Any] | None = None
-    for _, payload in wire:
-        if isinstance(payload, str):  # [DONE]
-            continue
-        if "error" in payload:
-            raise ValueError(payload["error"]["message"])
+    for payload in chunk_payloads(wire):
         head = head or payload
         for choice in payload["choices"]:
             _accumulate(message, choice["delta"])

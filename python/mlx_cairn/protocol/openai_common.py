@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import orjson
@@ -473,6 +474,17 @@ class ChunkWire:
         }
         body.update(extra)
         return (None, body)
+
+
+def chunk_payloads(wire: list[WireEvent]) -> Iterator[dict[str, Any]]:
+    """The chunk objects of a chunk codec's wire events, for its ``fold``: the
+    ``[DONE]`` sentinel skipped; an error chunk raises ValueError with its message."""
+    for _, payload in wire:
+        if isinstance(payload, str):  # [DONE]
+            continue
+        if "error" in payload:
+            raise ValueError(payload["error"]["message"])
+        yield payload
 
 
 class LogprobHold:

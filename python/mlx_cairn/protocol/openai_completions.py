@@ -57,6 +57,7 @@ from mlx_cairn.protocol.base import (
 from mlx_cairn.protocol.openai_common import (
     ChunkWire,
     cache_salt,
+    chunk_payloads,
     error_body,
     fail,
     opt_bool,
@@ -332,11 +333,7 @@ def fold_chunks(wire: list[WireEvent]) -> dict[str, Any]:
     head: dict[str, Any] | None = None
     choices: dict[int, dict[str, Any]] = {}
     usage: dict[str, Any] | None = None
-    for _, payload in wire:
-        if isinstance(payload, str):  # [DONE]
-            continue
-        if "error" in payload:
-            raise ValueError(payload["error"]["message"])
+    for payload in chunk_payloads(wire):
         head = head or payload
         for c in payload["choices"]:
             acc = choices.setdefault(
