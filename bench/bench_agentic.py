@@ -60,7 +60,7 @@ import mlx_cairn  # noqa: F401  (loads the optimized BLAS before mlx.core)
 import httpx
 
 from bench_http import start_mlx_lm, start_ours, wait_up  # bench/ is on sys.path
-from http_stream import StreamResult, pct, stream_request
+from http_stream import StreamResult, greedy_chat_body, pct, stream_request
 from serve_proc import free_port
 
 FIXTURES = Path(__file__).resolve().parents[1] / ".." / "shared" / "fixtures" / "claude-code"
@@ -129,17 +129,6 @@ class Prompts:
         return head + self.tok.decode((ids * 2)[start : start + n_tokens])
 
 
-def chat_body(model: str, messages: list[dict[str, str]], max_tokens: int) -> dict[str, Any]:
-    return {
-        "model": model,
-        "stream": True,
-        "max_tokens": max_tokens,
-        "temperature": 0.0,
-        "stream_options": {"include_usage": True},
-        "messages": messages,
-    }
-
-
 # ----------------------------------------------------------------- one round
 
 
@@ -152,7 +141,11 @@ async def session(
     for t in range(args.turns):
         msgs.append({"role": "user", "content": prompts.message(s, t, args.turn_tokens)})
         r: StreamResult = await stream_request(
-            "127.0.0.1", port, CHAT, chat_body(model, msgs, args.answer_tokens), keep_text=True
+            "127.0.0.1",
+            port,
+            CHAT,
+            greedy_chat_body(model, msgs, args.answer_tokens),
+            keep_text=True,
         )
         if r.error:
             raise RuntimeError(f"session {s} turn {t}: {r.error}")
@@ -341,11 +334,11 @@ async def amain(args: argparse.Namespace) -> int:
         for name, extra in ours_sides:
             port = free_port()
             procs.append(start_ours(port, logs / f"{name}.log", [*model_args, *extra]))
-            await wait_up(port, procs[-1], CHAT, chat_body("default", warm, 4))
+            await wait_up(port, procs[-1], CHAT, greedy_chat_body("default", warm, 4))
             sides[name] = (port, served_name(port))
         p_lm = free_port()
         procs.append(start_mlx_lm(p_lm, folder, args.answer_tokens, logs / "mlx_lm.log"))
-        await wait_up(p_lm, procs[-1], CHAT, chat_body(str(folder), warm, 4))
+        await wait_up(p_lm, procs[-1], CHAT, greedy_chat_body(str(folder), warm, 4))
         sides["mlx_lm.server"] = (p_lm, str(folder))
         raw: dict[str, list[dict[str, Any]]] = {s: [] for s in sides}
         print(f"logs in {logs}; load average {os.getloadavg()}", flush=True)

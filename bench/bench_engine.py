@@ -41,17 +41,12 @@ import mlx_cairn  # noqa: F401  (loads the optimized BLAS before mlx.core)
 import mlx.core as mx
 
 # isort: on
+from http_stream import TOPICS  # bench/ is on sys.path
 from mlx_cairn.engine import Engine
 from mlx_cairn.engine.reference import GenerationStats, generate_tokens
 from mlx_cairn.models import load
 from mlx_cairn.types import ChatRequest, Done, Message, SamplingParams
 
-TOPICS = [
-    "a lighthouse keeper", "a cat who learns to sail", "the history of bread", "a robot gardener",
-    "mountain weather", "a lost library", "the first winter on Mars", "a jazz trio",
-    "a detective in Lisbon", "volcanoes", "a dragon who hates gold", "bees in the city",
-    "a time-travelling chef", "the deep sea", "a chess prodigy", "northern lights",
-]  # fmt: skip
 GREEDY = SamplingParams(temperature=0.0)
 
 

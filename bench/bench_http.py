@@ -49,18 +49,17 @@ from typing import Any
 import mlx_cairn  # noqa: F401  (loads the optimized BLAS before mlx.core)
 
 # isort: on
-from http_stream import StreamResult, pct, stream_request  # bench/ is on sys.path
+from http_stream import (  # bench/ is on sys.path
+    TOPICS,
+    StreamResult,
+    greedy_chat_body,
+    pct,
+    stream_request,
+)
 from mlx_cairn.engine import Engine
 from mlx_cairn.models import load
 from mlx_cairn.types import ChatRequest, Done, Message, SamplingParams
 from serve_proc import cpu_seconds, free_port
-
-TOPICS = [
-    "a lighthouse keeper", "a cat who learns to sail", "the history of bread", "a robot gardener",
-    "mountain weather", "a lost library", "the first winter on Mars", "a jazz trio",
-    "a detective in Lisbon", "volcanoes", "a dragon who hates gold", "bees in the city",
-    "a time-travelling chef", "the deep sea", "a chess prodigy", "northern lights",
-]  # fmt: skip
 
 
 def prompt(i: int, rnd: int, side: int) -> str:
@@ -70,14 +69,7 @@ def prompt(i: int, rnd: int, side: int) -> str:
 
 
 def chat_body(i: int, rnd: int, tokens: int, model: str, side: int = 0) -> dict[str, Any]:
-    return {
-        "model": model,
-        "stream": True,
-        "max_tokens": tokens,
-        "temperature": 0.0,
-        "stream_options": {"include_usage": True},
-        "messages": [{"role": "user", "content": prompt(i, rnd, side)}],
-    }
+    return greedy_chat_body(model, [{"role": "user", "content": prompt(i, rnd, side)}], tokens)
 
 
 def anthropic_body(i: int, rnd: int, tokens: int, side: int) -> dict[str, Any]:

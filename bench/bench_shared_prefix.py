@@ -41,7 +41,7 @@ import mlx_cairn  # noqa: F401  (loads the optimized BLAS before mlx.core)
 # isort: on
 import httpx
 
-from http_stream import stream_request  # bench/ is on sys.path
+from http_stream import greedy_chat_body, stream_request  # bench/ is on sys.path
 from serve_proc import TOKEN, free_port, wait_ready
 
 WORDS = [
@@ -121,14 +121,7 @@ def stats(url: str) -> dict[str, Any]:
 
 
 def body(msgs: list[dict[str, str]], max_tokens: int) -> dict[str, Any]:
-    return {
-        "model": "default",
-        "stream": True,
-        "max_tokens": max_tokens,
-        "temperature": 0.0,
-        "stream_options": {"include_usage": True},
-        "messages": msgs,
-    }
+    return greedy_chat_body("default", msgs, max_tokens)
 
 
 async def burst(port: int, bodies: list[dict[str, Any]]) -> tuple[float, list[Any]]:

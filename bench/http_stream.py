@@ -30,6 +30,27 @@ from typing import Any
 _TEXT = re.compile(rb'"content": ?"[^"]|"text_delta"|"output_text\.delta"')
 
 
+#: Story subjects the serving benchmarks write about ("Write a long story about ...").
+TOPICS = [
+    "a lighthouse keeper", "a cat who learns to sail", "the history of bread", "a robot gardener",
+    "mountain weather", "a lost library", "the first winter on Mars", "a jazz trio",
+    "a detective in Lisbon", "volcanoes", "a dragon who hates gold", "bees in the city",
+    "a time-travelling chef", "the deep sea", "a chess prodigy", "northern lights",
+]  # fmt: skip
+
+
+def greedy_chat_body(model: str, messages: list[dict[str, str]], max_tokens: int) -> dict[str, Any]:
+    """A streamed, greedy Chat Completions body that reports usage at the end."""
+    return {
+        "model": model,
+        "stream": True,
+        "max_tokens": max_tokens,
+        "temperature": 0.0,
+        "stream_options": {"include_usage": True},
+        "messages": messages,
+    }
+
+
 @dataclass
 class StreamResult:
     status: int = 0

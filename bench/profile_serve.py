@@ -39,14 +39,13 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-from http_stream import pct, stream_request  # bench/ is on sys.path when run as a script
+from http_stream import (  # bench/ is on sys.path when run as a script
+    TOPICS,
+    greedy_chat_body,
+    pct,
+    stream_request,
+)
 from serve_proc import cpu_seconds, free_port
-
-TOPICS = [
-    "a lighthouse keeper", "a cat who learns to sail", "the history of bread", "a robot gardener",
-    "mountain weather", "a lost library", "the first winter on Mars", "a jazz trio",
-]  # fmt: skip
-
 
 # ------------------------------------------------------------ child (server)
 
@@ -165,14 +164,8 @@ def _child(port: int, dump: str, model: str | None, no_uvloop: bool) -> None:
 
 
 def body(i: int, tokens: int) -> dict[str, Any]:
-    return {
-        "model": "default",
-        "stream": True,
-        "max_tokens": tokens,
-        "temperature": 0.0,
-        "stream_options": {"include_usage": True},
-        "messages": [{"role": "user", "content": f"Write a long story about {TOPICS[i % 8]}."}],
-    }
+    content = f"Write a long story about {TOPICS[i % 8]}."
+    return greedy_chat_body("default", [{"role": "user", "content": content}], tokens)
 
 
 async def level(port: int, n: int, tokens: int) -> dict[str, Any]:
