@@ -21,9 +21,9 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 from tokenizers import Tokenizer as HFTokenizer
-from tokenizers import decoders, models, pre_tokenizers, processors, trainers
+from tokenizers import processors
 
-from mlx_cairn.testing.models import _CORPUS, random_weights, tiny_tokenizer
+from mlx_cairn.testing.models import random_weights, tiny_tokenizer, trained_bpe
 from mlx_cairn.testing.tiny_configs import tiny_config
 
 #: The families :func:`save_tiny_embedding` writes.
@@ -40,16 +40,7 @@ _DIMS = {
 
 def _bpe(specials: list[str], bos: str, eos: str) -> HFTokenizer:
     """A byte-level BPE (trained on the tiny corpus) wrapping each text in ``bos ... eos``."""
-    tok = HFTokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=320,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        special_tokens=specials,
-        show_progress=False,
-    )
-    tok.train_from_iterator(_CORPUS, trainer)
+    tok = trained_bpe(320, specials)
     tok.post_processor = processors.TemplateProcessing(
         single=f"{bos} $A {eos}",
         special_tokens=[(bos, tok.token_to_id(bos)), (eos, tok.token_to_id(eos))],

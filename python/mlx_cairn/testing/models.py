@@ -44,20 +44,32 @@ _TAGS = ["<think>", "</think>", "<tool_call>", "</tool_call>"]
 TINY_VOCAB = 384
 
 
-def tiny_tokenizer() -> Tokenizer:
-    """A deterministic byte-level BPE with ChatML specials (about 370 tokens)."""
+def trained_bpe(vocab_size: int, specials: list[str]) -> HFTokenizer:
+    """A byte-level BPE of ``vocab_size`` tokens trained on the tiny corpus (deterministic)."""
     tok = HFTokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=360,
+        vocab_size=vocab_size,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        special_tokens=_SPECIALS,
+        special_tokens=specials,
         show_progress=False,
     )
     tok.train_from_iterator(_CORPUS, trainer)
+    return tok
+
+
+def tiny_tokenizer() -> Tokenizer:
+    """A deterministic byte-level BPE with ChatML specials (about 370 tokens)."""
+    tok = trained_bpe(360, _SPECIALS)
     tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in _TAGS])
     return Tokenizer(tok, eos_token="<|im_end|>", pad_token="<|endoftext|>")
+
+
+def _tiny_eos(tok: Tokenizer) -> set[int]:
+    """The ids that end a tiny model's turn: ``<|im_end|>`` and ``<|endoftext|>``."""
+    ids = (tok.token_to_id("<|im_end|>"), tok.token_to_id("<|endoftext|>"))
+    return {i for i in ids if i is not None}
 
 
 def tiny_args(arch: Arch = "llama") -> ModelArgs:
@@ -135,11 +147,7 @@ def tiny_model(arch: Arch = "llama", seed: int = 0, *, noise: float = 0.0) -> Lo
         model.update(tree_unflatten(noisy))
         mx.eval(model.parameters())
     tok = tiny_tokenizer()
-    eos = {
-        i
-        for i in (tok.token_to_id("<|im_end|>"), tok.token_to_id("<|endoftext|>"))
-        if i is not None
-    }
+    eos = _tiny_eos(tok)
     return assemble(
         name=f"tiny-{arch}",
         model=model,
@@ -166,11 +174,7 @@ def tiny_zoo_model(model_type: str, seed: int = 0, **overrides: Any) -> LoadedMo
     random_weights(inner, seed)
     model = ZooModel(inner, config)
     tok = tiny_tokenizer()
-    eos = {
-        i
-        for i in (tok.token_to_id("<|im_end|>"), tok.token_to_id("<|endoftext|>"))
-        if i is not None
-    }
+    eos = _tiny_eos(tok)
     return assemble(
         name=f"tiny-{model_type}",
         model=model,
