@@ -17,7 +17,7 @@ import pytest
 
 from mlx_cairn.engine import Engine
 from mlx_cairn.engine.disk import SUFFIX
-from mlx_cairn.testing.engine import closing_at_rest
+from mlx_cairn.testing.engine import closing_at_rest, generate_from_ids
 from mlx_cairn.testing.models import tiny_model
 from mlx_cairn.types import ChatRequest, Done, Message, SamplingParams
 
@@ -36,17 +36,7 @@ def ids(rng: np.random.Generator, n: int) -> list[int]:
 
 
 def generate(engine: Engine, prompt: list[int]) -> tuple[list[int], Done]:
-    base = engine.prepare(
-        ChatRequest(
-            messages=[Message("user", "x")],
-            max_tokens=MAX_TOKENS,
-            sampling=SamplingParams(temperature=0.0),
-        )
-    )
-    s = engine.submit(dataclasses.replace(base, prompt_ids=prompt))
-    done = list(s.iter_sync(timeout=TIMEOUT))[-1]
-    assert isinstance(done, Done), done
-    return s.output_ids, done
+    return generate_from_ids(engine, prompt, max_tokens=MAX_TOKENS, timeout=TIMEOUT)
 
 
 def cold(lm, prompt: list[int]) -> list[int]:

@@ -25,9 +25,9 @@ from mlx_cairn.engine import Engine
 from mlx_cairn.engine.disk import stable_seed
 from mlx_cairn.engine.kv_events import KVEventPublisher, KVEventsError, check_endpoint
 from mlx_cairn.kv import BlockPool, PrefixCache
-from mlx_cairn.testing.engine import wait_idle
+from mlx_cairn.testing.engine import generate_from_ids, wait_idle
 from mlx_cairn.testing.models import tiny_model
-from mlx_cairn.types import ChatRequest, Done, Message, SamplingParams
+from mlx_cairn.types import ChatRequest, Message, SamplingParams
 
 TIMEOUT = 60.0
 BS = 16
@@ -89,17 +89,8 @@ class Wire:
 
 
 def generate(engine: Engine, prompt: list[int]) -> list[int]:
-    base = engine.prepare(
-        ChatRequest(
-            messages=[Message("user", "x")],
-            max_tokens=MAX_TOKENS,
-            sampling=SamplingParams(temperature=0.0),
-        )
-    )
-    s = engine.submit(dataclasses.replace(base, prompt_ids=prompt))
-    done = list(s.iter_sync(timeout=TIMEOUT))[-1]
-    assert isinstance(done, Done), done
-    return prompt + s.output_ids
+    out, _ = generate_from_ids(engine, prompt, max_tokens=MAX_TOKENS, timeout=TIMEOUT)
+    return prompt + out
 
 
 def disk_hashes(lm, tokens: list[int]) -> list[int]:

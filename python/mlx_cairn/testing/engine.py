@@ -85,6 +85,28 @@ def bare_sequence(rid: int, prompt: list[int], *, salt: str, max_tokens: int) ->
     )
 
 
+def generate_from_ids(
+    engine: Any, prompt: list[int], *, max_tokens: int, timeout: float
+) -> tuple[list[int], Any]:
+    """Greedy generation from the token ids ``prompt`` on a running engine (the
+    request's own prompt replaced); returns (output ids, the final Done)."""
+    import dataclasses
+
+    from mlx_cairn.types import ChatRequest, Done, Message
+
+    base = engine.prepare(
+        ChatRequest(
+            messages=[Message("user", "x")],
+            max_tokens=max_tokens,
+            sampling=SamplingParams(temperature=0.0),
+        )
+    )
+    s = engine.submit(dataclasses.replace(base, prompt_ids=prompt))
+    done = list(s.iter_sync(timeout=timeout))[-1]
+    assert isinstance(done, Done), done
+    return s.output_ids, done
+
+
 def wait_idle(engine: Any, timeout: float = 30.0) -> EngineStats:
     """Wait until the engine has nothing queued or running; return its stats."""
     deadline = time.monotonic() + timeout
