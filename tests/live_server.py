@@ -111,6 +111,18 @@ def engine_text(folder: Path, prompt: str, max_tokens: int) -> str:
     return lm.tokenizer.decode(ids)
 
 
+def read_all(s: socket.socket) -> bytes:
+    """Everything the server sends until it closes (a reset after data counts as a close)."""
+    chunks = []
+    try:
+        while chunk := s.recv(65536):
+            chunks.append(chunk)
+    except ConnectionResetError:
+        if not chunks:
+            raise
+    return b"".join(chunks)
+
+
 def wait_healthy(
     url: str, proc: subprocess.Popen[bytes], log: Path, *, timeout: float = 120, what: str = ""
 ) -> None:

@@ -19,7 +19,7 @@ from typing import Any
 import httpx
 import pytest
 
-from live_server import registry_for, serve
+from live_server import read_all, registry_for, serve
 from mlx_cairn.api import ServerConfig
 from mlx_cairn.engine import Engine
 from scripted_model import say, scripted_model
@@ -80,18 +80,11 @@ def raw_request(
     if body or method == "POST":
         lines += [b"content-type: application/json", f"content-length: {len(body)}".encode()]
     data = b"\r\n".join(lines) + b"\r\n\r\n" + body
-    chunks = []
     with socket.create_connection(("127.0.0.1", port), timeout=30) as s:
         # The server may answer and close before taking the whole body.
         with contextlib.suppress(BrokenPipeError, ConnectionResetError):
             s.sendall(data)
-        try:
-            while chunk := s.recv(65536):
-                chunks.append(chunk)
-        except ConnectionResetError:
-            if not chunks:
-                raise
-    raw = b"".join(chunks)
+        raw = read_all(s)
     head, _, rest = raw.partition(b"\r\n\r\n")
     status_line, *header_lines = head.decode("latin-1").split("\r\n")
     hdrs = {}

@@ -19,7 +19,7 @@ from typing import Any
 
 import pytest
 
-from live_server import Blocker, registry_for, serve, settle_cancel, wait_until
+from live_server import Blocker, read_all, registry_for, serve, settle_cancel, wait_until
 from mlx_cairn.api import ServerConfig
 from mlx_cairn.api.connection import CairnH11Protocol
 from mlx_cairn.engine import Engine
@@ -58,18 +58,6 @@ def env() -> Iterator[dict[str, Any]]:
 def connect(env: dict[str, Any]) -> socket.socket:
     s = socket.create_connection(("127.0.0.1", env["port"]), timeout=READ_WAIT)
     return s
-
-
-def read_all(s: socket.socket) -> bytes:
-    """Everything the server sends until it closes (a reset after data counts as a close)."""
-    chunks = []
-    try:
-        while chunk := s.recv(65536):
-            chunks.append(chunk)
-    except ConnectionResetError:
-        if not chunks:
-            raise
-    return b"".join(chunks)
 
 
 def head(method: str, path: str, *lines: bytes, length: int | None = None) -> bytes:
