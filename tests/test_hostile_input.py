@@ -53,31 +53,29 @@ class Route:
         return str(err["message"])
 
 
-def _anthropic(text: str, max_tokens: Any, stop: Any) -> dict[str, Any]:
-    b: dict[str, Any] = {"model": "scripted", "messages": [{"role": "user", "content": text}]}
-    if max_tokens is not None:
-        b["max_tokens"] = max_tokens
-    if stop is not None:
-        b["stop_sequences"] = stop
-    return b
+def _builder(
+    prompt: Callable[[str], dict[str, Any]], max_key: str, stop_key: str
+) -> Callable[[str, Any, Any], dict[str, Any]]:
+    """A dialect's body for (text, max_tokens, stop): the cap and stop fields only when given."""
+
+    def build(text: str, max_tokens: Any, stop: Any) -> dict[str, Any]:
+        b: dict[str, Any] = {"model": "scripted", **prompt(text)}
+        if max_tokens is not None:
+            b[max_key] = max_tokens
+        if stop is not None:
+            b[stop_key] = stop
+        return b
+
+    return build
 
 
-def _chat(text: str, max_tokens: Any, stop: Any) -> dict[str, Any]:
-    b: dict[str, Any] = {"model": "scripted", "messages": [{"role": "user", "content": text}]}
-    if max_tokens is not None:
-        b["max_tokens"] = max_tokens
-    if stop is not None:
-        b["stop"] = stop
-    return b
+def _messages(text: str) -> dict[str, Any]:
+    return {"messages": [{"role": "user", "content": text}]}
 
 
-def _responses(text: str, max_tokens: Any, stop: Any) -> dict[str, Any]:
-    b: dict[str, Any] = {"model": "scripted", "input": text, "store": False}
-    if max_tokens is not None:
-        b["max_output_tokens"] = max_tokens
-    if stop is not None:
-        b["stop"] = stop
-    return b
+_anthropic = _builder(_messages, "max_tokens", "stop_sequences")
+_chat = _builder(_messages, "max_tokens", "stop")
+_responses = _builder(lambda text: {"input": text, "store": False}, "max_output_tokens", "stop")
 
 
 ROUTES = [
