@@ -14,11 +14,9 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from dialect_parsers import LIMIT, anthropic_request, chat_request, responses_request
 from mlx_cairn.engine import Engine
 from mlx_cairn.errors import InvalidRequest
-from mlx_cairn.protocol.anthropic import parse_messages_request
-from mlx_cairn.protocol.openai_chat import parse_chat_request
-from mlx_cairn.protocol.openai_responses import parse_responses_request
 from mlx_cairn.testing.engine import closing_at_rest
 from mlx_cairn.types import (
     GREEDY_BELOW_TEMPERATURE,
@@ -32,26 +30,17 @@ from mlx_cairn.types import (
 )
 from scripted_model import say, scripted_model
 
-LIMIT = 1000
-
 
 def anthropic(**kw: Any) -> Any:
-    body = {"model": "m", "max_tokens": 8, "messages": [{"role": "user", "content": "hi"}]}
-    return parse_messages_request(body | kw, max_tokens_limit=LIMIT).chat
+    return anthropic_request(**kw).chat
 
 
 def chat(**kw: Any) -> Any:
-    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
-    return parse_chat_request(body | kw, max_tokens_limit=LIMIT).chat
+    return chat_request(**kw).chat
 
 
 def responses(**kw: Any) -> Any:
-    body = {"model": "m", "input": "hi"}
-
-    def lookup(rid: str) -> Any:
-        raise AssertionError("no stored responses here")
-
-    return parse_responses_request(body | kw, max_tokens_limit=LIMIT, lookup=lookup).chat
+    return responses_request(**kw).chat
 
 
 Parse = Callable[..., Any]

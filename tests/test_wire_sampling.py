@@ -20,10 +20,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from dialect_parsers import anthropic_request, chat_request, responses_request
 from mlx_cairn.errors import InvalidRequest
-from mlx_cairn.protocol.anthropic import parse_messages_request
-from mlx_cairn.protocol.openai_chat import parse_chat_request
-from mlx_cairn.protocol.openai_responses import parse_responses_request
 from mlx_cairn.protocol.sampling import MAX_TOKEN_ID
 from mlx_cairn.types import (
     MAX_LOGIT_BIAS_ENTRIES,
@@ -34,29 +32,17 @@ from mlx_cairn.types import (
 from scripted_model import say
 from test_openai_support import BEARER, openai_env, user
 
-LIMIT = 1000
-
 
 def anthropic(**kw: Any) -> SamplingParams:
-    body = {"model": "m", "max_tokens": 8, "messages": [{"role": "user", "content": "hi"}]}
-    return parse_messages_request(body | kw, max_tokens_limit=LIMIT).chat.sampling
+    return anthropic_request(**kw).chat.sampling
 
 
 def chat(**kw: Any) -> SamplingParams:
-    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
-    return parse_chat_request(body | kw, max_tokens_limit=LIMIT).chat.sampling
-
-
-def responses_req(**kw: Any) -> Any:
-    def lookup(rid: str) -> Any:
-        raise AssertionError("no stored responses here")
-
-    body = {"model": "m", "input": "hi"}
-    return parse_responses_request(body | kw, max_tokens_limit=LIMIT, lookup=lookup)
+    return chat_request(**kw).chat.sampling
 
 
 def responses(**kw: Any) -> SamplingParams:
-    return responses_req(**kw).chat.sampling
+    return responses_request(**kw).chat.sampling
 
 
 Parse = Callable[..., SamplingParams]
@@ -221,8 +207,8 @@ def test_responses_include_turns_logprobs_on() -> None:
         refused(responses, "top_logprobs", include=inc, top_logprobs=bad)
         refused(responses, "top_logprobs", top_logprobs=bad)
     # The Response object echoes the setting (0 when not given, as OpenAI's).
-    assert responses_req(include=inc, top_logprobs=3).echo["top_logprobs"] == 3
-    assert responses_req().echo["top_logprobs"] == 0
+    assert responses_request(include=inc, top_logprobs=3).echo["top_logprobs"] == 3
+    assert responses_request().echo["top_logprobs"] == 0
 
 
 def test_anthropic_has_no_logprobs() -> None:
