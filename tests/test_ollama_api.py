@@ -21,18 +21,10 @@ from hypothesis import strategies as st
 from live_server import scripted_server
 from mlx_cairn.testing.engine import assert_at_rest
 from scripted_model import say
-from test_openai_support import call
+from test_openai_support import WEATHER, call
 
 TOKEN = "ollama-s3cret"
 AUTH = {"authorization": f"Bearer {TOKEN}"}
-WEATHER = {
-    "type": "function",
-    "function": {
-        "name": "get_weather",
-        "description": "Weather for a city",
-        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
-    },
-}
 #: Fields that differ between two runs of one request.
 VOLATILE = {
     "created_at",

@@ -17,16 +17,8 @@ import pytest
 
 from mlx_cairn.testing.engine import assert_at_rest
 from scripted_model import say
-from test_openai_support import BEARER, TOKEN, call, normalize, openai_env, sse_data, user
+from test_openai_support import BEARER, TOKEN, WEATHER, call, normalize, openai_env, sse_data, user
 
-WEATHER = {
-    "type": "function",
-    "function": {
-        "name": "get_weather",
-        "description": "Weather for a city",
-        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
-    },
-}
 CLOCK = {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object"}}}
 
 

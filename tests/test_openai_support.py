@@ -22,6 +22,15 @@ TOKEN = "openai-s3cret"
 BEARER = {"authorization": f"Bearer {TOKEN}"}
 #: Volatile fields: ids and timestamps differ between two requests.
 VOLATILE = {"id", "created", "created_at", "completed_at", "call_id", "timings"}
+#: A Chat Completions (and Ollama) function tool.
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Weather for a city",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+    },
+}
 
 
 @contextmanager
