@@ -68,7 +68,7 @@ from mlx_cairn.protocol.base import (
 )
 from mlx_cairn.protocol.images import ImageReader, strip_marks
 from mlx_cairn.protocol.openai_common import function_tool, stop_list
-from mlx_cairn.protocol.sampling import read_sampling, top_logprobs
+from mlx_cairn.protocol.sampling import SETTINGS, read_sampling, top_logprobs
 from mlx_cairn.types import (
     IMAGE_MARK,
     ChatRequest,
@@ -287,16 +287,9 @@ class _Options:
 
 #: Ollama option names that are ours under another name.
 _RENAMED = {"repeat_penalty": "repetition_penalty"}
-_SAMPLING_KEYS = (
-    "temperature",
-    "top_p",
-    "top_k",
-    "min_p",
-    "seed",
-    "frequency_penalty",
-    "presence_penalty",
-    "repeat_penalty",
-)
+_BACK = {ours: theirs for theirs, ours in _RENAMED.items()}
+#: The sampling settings ``options`` may hold, by Ollama's names.
+_SAMPLING_KEYS = tuple(_BACK.get(k, k) for k in SETTINGS)
 
 
 def _options(raw: Any, limit: int) -> _Options:
@@ -309,8 +302,7 @@ def _options(raw: Any, limit: int) -> _Options:
     try:
         sampling = read_sampling(mapped, max_temperature=2.0)
     except InvalidRequest as e:
-        back = {v: k for k, v in _RENAMED.items()}
-        name = back.get(e.param or "", e.param or "")
+        name = _BACK.get(e.param or "", e.param or "")
         message = e.message.removeprefix(f"{e.param}: ")  # fail() put the field first
         raise fail(f"options.{name}", message) from None
     out = _Options(sampling, stop=stop_list(raw.get("stop"), "options.stop"))

@@ -112,7 +112,7 @@ def read_sampling(body: dict[str, Any], *, max_temperature: float) -> SamplingPa
     ``max_temperature`` is the dialect's ceiling (Anthropic 1, OpenAI 2).
     """
     sp = SamplingParams()
-    for key in _SETTINGS:
+    for key in SETTINGS:
         v = bounded(body, key, hi=max_temperature if key == "temperature" else None)
         if v is not None:
             setattr(sp, key, v)
@@ -121,7 +121,7 @@ def read_sampling(body: dict[str, Any], *, max_temperature: float) -> SamplingPa
 
 
 #: The settings :func:`read_sampling` reads, in the order a refusal names the first bad one.
-_SETTINGS = (
+SETTINGS = (
     "temperature",
     "top_p",
     "top_k",
