@@ -66,6 +66,18 @@ def fim_model(family: str | None = "qwen", seed: int = 0) -> Any:
     return lm
 
 
+def qwen_fim_ids(tok: Tokenizer, prefix: str, suffix: str) -> list[int]:
+    """Qwen's prefix-suffix-middle prompt, built by hand from the tokens."""
+    tid = tok.token_to_id
+    return [
+        tid("<|fim_prefix|>"),
+        *tok.encode_plain(prefix),
+        tid("<|fim_suffix|>"),
+        *tok.encode_plain(suffix),
+        tid("<|fim_middle|>"),
+    ]
+
+
 def mlx_lm_generate(lm: Any, prompt: list[int], max_tokens: int, stop: set[int]) -> list[int]:
     """mlx-lm's own greedy generation (``generate_step`` with an argmax sampler) on
     ``prompt``, up to and including the first ``stop`` token."""

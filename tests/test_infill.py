@@ -15,7 +15,7 @@ from typing import Any
 import httpx
 import pytest
 
-from fim_fixtures import fim_model, mlx_lm_generate
+from fim_fixtures import fim_model, mlx_lm_generate, qwen_fim_ids
 from live_server import registry_for, serve
 from mlx_cairn.api import ServerConfig
 from mlx_cairn.chat.fim import fim_stop_ids
@@ -57,11 +57,7 @@ def test_infill_equals_mlx_lm_on_the_hand_built_prompt(env: dict[str, Any]) -> N
         *tok.encode_plain("X = 1\n"),
         tid("<|file_sep|>"),
         *tok.encode_plain("filename\n"),
-        tid("<|fim_prefix|>"),
-        *tok.encode_plain(PREFIX + LINE),
-        tid("<|fim_suffix|>"),
-        *tok.encode_plain(SUFFIX),
-        tid("<|fim_middle|>"),
+        *qwen_fim_ids(tok, PREFIX + LINE, SUFFIX),
     ]
     stops = set(lm.eos_token_ids) | fim_stop_ids(tok)
     ids = mlx_lm_generate(lm, by_hand, 12, stops)

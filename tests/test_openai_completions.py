@@ -17,7 +17,7 @@ import httpx
 import openai
 import pytest
 
-from fim_fixtures import fim_model, mlx_lm_generate
+from fim_fixtures import fim_model, mlx_lm_generate, qwen_fim_ids
 from live_server import registry_for, serve, wait_until
 from mlx_cairn.api import ServerConfig
 from mlx_cairn.chat.fim import fim_stop_ids
@@ -84,14 +84,7 @@ def test_fim_equals_mlx_lm_on_the_hand_built_prompt(env: dict[str, Any]) -> None
     c: openai.OpenAI = env["client"]
     lm = env["engines"]["coder"].loaded
     tok = lm.tokenizer
-    tid = tok.token_to_id
-    by_hand = [
-        tid("<|fim_prefix|>"),
-        *tok.encode_plain(PREFIX),
-        tid("<|fim_suffix|>"),
-        *tok.encode_plain(SUFFIX),
-        tid("<|fim_middle|>"),
-    ]
+    by_hand = qwen_fim_ids(tok, PREFIX, SUFFIX)
     want, n = _reference(lm, by_hand, 16, set(lm.eos_token_ids) | fim_stop_ids(tok))
     got = c.completions.create(
         model="coder", prompt=PREFIX, suffix=SUFFIX, max_tokens=16, temperature=0
