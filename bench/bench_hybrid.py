@@ -40,8 +40,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_zoo_batch import ours, random_model, theirs
 from mlx_cairn.engine import Engine
 from mlx_cairn.models.loaded import LoadedModel
+from mlx_cairn.testing.engine import greedy_base
 from mlx_cairn.testing.tiny_configs import VOCAB
-from mlx_cairn.types import ChatRequest, Done, Message, SamplingParams
+from mlx_cairn.types import Done
 
 PREFIX = 2500
 SUFFIX = 20
@@ -79,13 +80,7 @@ def ids(rng: np.random.Generator, n: int) -> list[int]:
 
 
 def ttft_ms(engine: Engine, prompt: list[int]) -> tuple[float, int]:
-    base = engine.prepare(
-        ChatRequest(
-            messages=[Message("user", "x")],
-            max_tokens=1,
-            sampling=SamplingParams(temperature=0.0),
-        )
-    )
+    base = greedy_base(engine, 1)
     s = engine.submit(dataclasses.replace(base, prompt_ids=prompt))
     done = list(s.iter_sync(timeout=600))[-1]
     assert isinstance(done, Done), done

@@ -17,9 +17,9 @@ import pytest
 
 from mlx_cairn.engine import Engine
 from mlx_cairn.engine.disk import SUFFIX
-from mlx_cairn.testing.engine import closing_at_rest, generate_from_ids
+from mlx_cairn.testing.engine import closing_at_rest, generate_from_ids, greedy_base
 from mlx_cairn.testing.models import tiny_model
-from mlx_cairn.types import ChatRequest, Done, Message, SamplingParams
+from mlx_cairn.types import Done
 
 TIMEOUT = 60.0
 BS = 4
@@ -207,13 +207,7 @@ def test_a_request_reading_from_disk_holds_no_one_up(lm, tmp_path, monkeypatch):
 
     monkeypatch.setattr(DiskTier, "_read", slow)
     with closing_at_rest(disk_engine(lm, tmp_path)) as e:
-        base = e.prepare(
-            ChatRequest(
-                messages=[Message("user", "x")],
-                max_tokens=MAX_TOKENS,
-                sampling=SamplingParams(temperature=0.0),
-            )
-        )
+        base = greedy_base(e, MAX_TOKENS)
         waiting = e.submit(dataclasses.replace(base, prompt_ids=system + ids(rng, 4)))
         other = e.submit(dataclasses.replace(base, prompt_ids=ids(rng, 30)))
         done_other = list(other.iter_sync(timeout=TIMEOUT))[-1]

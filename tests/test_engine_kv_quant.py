@@ -12,9 +12,9 @@ from mlx_lm.models.cache import KVCache, QuantizedKVCache, make_prompt_cache
 
 from mlx_cairn.backends.cpu import attention as cpu_attention
 from mlx_cairn.engine import Engine
-from mlx_cairn.testing.engine import closing_at_rest
+from mlx_cairn.testing.engine import closing_at_rest, greedy_base
 from mlx_cairn.testing.models import tiny_zoo_model
-from mlx_cairn.types import ChatRequest, Done, Message, SamplingParams
+from mlx_cairn.types import Done
 
 TIMEOUT = 60.0
 #: Quantization noise flips near-tied tokens even between two mlx-lm runs that
@@ -32,11 +32,7 @@ def lm():
 
 
 def _ids(engine: Engine, prompt: list[int], n: int) -> list[int]:
-    base = engine.prepare(
-        ChatRequest(
-            messages=[Message("user", "x")], max_tokens=n, sampling=SamplingParams(temperature=0.0)
-        )
-    )
+    base = greedy_base(engine, n)
     s = engine.submit(dataclasses.replace(base, prompt_ids=list(prompt), max_tokens=n))
     assert isinstance(list(s.iter_sync(timeout=TIMEOUT))[-1], Done)
     return list(s.output_ids)
@@ -136,13 +132,7 @@ def test_prefix_sharing_partial_copy_and_preemption_on_quantized_blocks(lm):
     with closing_at_rest(
         Engine(lm, num_blocks=7, block_size=16, kv_bits=8, max_batch=3, step_token_budget=64)
     ) as e:
-        base = e.prepare(
-            ChatRequest(
-                messages=[Message("user", "x")],
-                max_tokens=8,
-                sampling=SamplingParams(temperature=0.0),
-            )
-        )
+        base = greedy_base(e, 8)
         long = [[(5 * i + k) % 190 + 3 for i in range(30)] for k in range(3)]
         want = []
         for p in long:

@@ -14,11 +14,12 @@ from mlx_cairn.kv import BlockPool, PrefixCache
 from mlx_cairn.testing.engine import (
     bare_sequence,
     closing_at_rest,
+    greedy_base,
     greedy_reference_at,
 )
 from mlx_cairn.testing.models import mlx_lm_greedy, tiny_model, tiny_zoo_model
 from mlx_cairn.testing.tiny_configs import HYBRID_CONFIGS
-from mlx_cairn.types import ChatRequest, Done, Message, SamplingParams
+from mlx_cairn.types import Done
 
 TIMEOUT = 60.0
 SALT = "model\x00tenant"
@@ -136,11 +137,7 @@ def greedy(prompt: list[int], max_tokens: int, prepared: PreparedRequest) -> Pre
 
 
 def _base(engine: Engine) -> PreparedRequest:
-    return engine.prepare(
-        ChatRequest(
-            messages=[Message("user", "x")], max_tokens=8, sampling=SamplingParams(temperature=0.0)
-        )
-    )
+    return greedy_base(engine, 8)
 
 
 def _answer(engine: Engine, prepared: PreparedRequest) -> tuple[list[int], Done]:

@@ -11,10 +11,10 @@ from mlx_cairn.engine import Engine
 from mlx_cairn.engine.scheduler import Scheduler
 from mlx_cairn.engine.sequence import PreparedRequest, Sequence
 from mlx_cairn.kv import BlockPool, PrefixCache
-from mlx_cairn.testing.engine import bare_sequence, closing_at_rest, greedy_reference
+from mlx_cairn.testing.engine import bare_sequence, closing_at_rest, greedy_base, greedy_reference
 from mlx_cairn.testing.models import mlx_lm_greedy, tiny_model, tiny_zoo_model
 from mlx_cairn.testing.tiny_configs import HYBRID_CONFIGS
-from mlx_cairn.types import ChatRequest, Done, Error, Message, SamplingParams
+from mlx_cairn.types import Done, Error
 
 TIMEOUT = 120.0
 SALT = "model\x00tenant"
@@ -147,13 +147,7 @@ def lm():
 
 
 def _prepared(engine: Engine, prompt: list[int], **kw: object) -> PreparedRequest:
-    base = engine.prepare(
-        ChatRequest(
-            messages=[Message("user", "x")],
-            max_tokens=MAX_TOKENS,
-            sampling=SamplingParams(temperature=0.0),
-        )
-    )
+    base = greedy_base(engine, MAX_TOKENS)
     return dataclasses.replace(base, prompt_ids=list(prompt), **kw)
 
 

@@ -18,7 +18,8 @@ import pytest
 
 from mlx_cairn.models.gguf import dequantize, raw_blocks, read_gguf
 from mlx_cairn.models.gguf_check import read_header
-from mlx_cairn.types import ChatRequest, Done, Message, SamplingParams
+from mlx_cairn.testing.engine import greedy_base
+from mlx_cairn.types import ChatRequest, Done, Message
 from spm_reference import spm_encode
 
 pytestmark = [
@@ -197,13 +198,7 @@ def test_engine_greedy_equals_mlx_lm_gemma3_text(gemma, gemma_lm):
 
     engine = Engine(lm, num_blocks=256, block_size=16)
     with closing_at_rest(engine):
-        base = engine.prepare(
-            ChatRequest(
-                messages=[Message("user", "x")],
-                max_tokens=n,
-                sampling=SamplingParams(temperature=0.0),
-            )
-        )
+        base = greedy_base(engine, n)
         first = engine.submit(dataclasses.replace(base, prompt_ids=ids["long"], max_tokens=n))
         list(first.iter_sync(timeout=600))
         got = {"long": first.output_ids}

@@ -16,10 +16,10 @@ import numpy as np
 import pytest
 
 from mlx_cairn.engine import Engine
-from mlx_cairn.testing.engine import closing_at_rest
+from mlx_cairn.testing.engine import closing_at_rest, greedy_base
 from mlx_cairn.testing.models import mlx_lm_greedy, tiny_zoo_model
 from mlx_cairn.testing.tiny_configs import TINY_CONFIGS, WRAPPERS
-from mlx_cairn.types import ChatRequest, Done, Message, SamplingParams
+from mlx_cairn.types import Done
 
 TIMEOUT = 120.0
 MAX_TOKENS = 10
@@ -77,13 +77,7 @@ def test_batched_paged_greedy_equals_mlx_lm(model_type):
 
     engine._pools.mirror_for = recording
     with closing_at_rest(engine):
-        base = engine.prepare(
-            ChatRequest(
-                messages=[Message("user", "x")],
-                max_tokens=MAX_TOKENS,
-                sampling=SamplingParams(temperature=0.0),
-            )
-        )
+        base = greedy_base(engine, MAX_TOKENS)
         first = run(engine, base, ps["long"])
         assert finish(first).usage.cached_tokens == 0
         got = {"long": first.output_ids}

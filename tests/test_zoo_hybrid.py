@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 from mlx_cairn.engine import Engine
-from mlx_cairn.testing.engine import closing_at_rest
+from mlx_cairn.testing.engine import closing_at_rest, greedy_base
 from mlx_cairn.testing.models import mlx_lm_greedy, tiny_zoo_model
 from mlx_cairn.testing.tiny_configs import HYBRID_CONFIGS
 from mlx_cairn.types import ChatRequest, Done, Message, SamplingParams
@@ -33,13 +33,7 @@ def ids(rng: np.random.Generator, n: int) -> list[int]:
 
 
 def base_request(engine: Engine, max_tokens: int = MAX_TOKENS):
-    return engine.prepare(
-        ChatRequest(
-            messages=[Message("user", "x")],
-            max_tokens=max_tokens,
-            sampling=SamplingParams(temperature=0.0),
-        )
-    )
+    return greedy_base(engine, max_tokens)
 
 
 def run(engine: Engine, base, prompt: list[int]):

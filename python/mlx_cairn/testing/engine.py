@@ -85,6 +85,19 @@ def bare_sequence(rid: int, prompt: list[int], *, salt: str, max_tokens: int) ->
     )
 
 
+def greedy_base(engine: Any, max_tokens: int = 256) -> Any:
+    """A prepared greedy request on ``engine`` whose prompt ids a test replaces
+    (``dataclasses.replace(base, prompt_ids=...)``)."""
+    from mlx_cairn.types import ChatRequest, Message
+
+    request = ChatRequest(
+        messages=[Message("user", "x")],
+        max_tokens=max_tokens,
+        sampling=SamplingParams(temperature=0.0),
+    )
+    return engine.prepare(request)
+
+
 def generate_from_ids(
     engine: Any, prompt: list[int], *, max_tokens: int, timeout: float
 ) -> tuple[list[int], Any]:
@@ -92,15 +105,9 @@ def generate_from_ids(
     request's own prompt replaced); returns (output ids, the final Done)."""
     import dataclasses
 
-    from mlx_cairn.types import ChatRequest, Done, Message
+    from mlx_cairn.types import Done
 
-    base = engine.prepare(
-        ChatRequest(
-            messages=[Message("user", "x")],
-            max_tokens=max_tokens,
-            sampling=SamplingParams(temperature=0.0),
-        )
-    )
+    base = greedy_base(engine, max_tokens)
     s = engine.submit(dataclasses.replace(base, prompt_ids=prompt))
     done = list(s.iter_sync(timeout=timeout))[-1]
     assert isinstance(done, Done), done
