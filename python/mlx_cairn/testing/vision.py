@@ -82,6 +82,16 @@ _MISTRAL3_TEMPLATE = (
 )
 
 
+#: Pixels to [-1, 1]: the preprocessing of the tiny Gemma 3 and Idefics 3 processors.
+_RESCALE_TO_UNIT: dict[str, Any] = {
+    "do_rescale": True,
+    "rescale_factor": 1 / 255,
+    "do_normalize": True,
+    "image_mean": [0.5, 0.5, 0.5],
+    "image_std": [0.5, 0.5, 0.5],
+}
+
+
 def _tokenizer(specials: list[str]) -> Any:
     """The tiny BPE with ``specials`` added as special tokens (ids follow its own)."""
     tok = tiny_tokenizer()
@@ -166,11 +176,7 @@ def _gemma3(folder: Path) -> tuple[dict[str, Any], dict[str, Any]]:
             "processor_class": "Gemma3Processor",
             "do_resize": True,
             "size": {"height": 28, "width": 28},
-            "do_rescale": True,
-            "rescale_factor": 1 / 255,
-            "do_normalize": True,
-            "image_mean": [0.5, 0.5, 0.5],
-            "image_std": [0.5, 0.5, 0.5],
+            **_RESCALE_TO_UNIT,
             "do_convert_rgb": True,
             "do_pan_and_scan": False,
             "resample": 2,
@@ -351,11 +357,7 @@ def _idefics3(folder: Path, model_type: str = "idefics3") -> tuple[dict[str, Any
             "resample": 1,
             "do_image_splitting": False,
             "max_image_size": {"longest_edge": 28},
-            "do_rescale": True,
-            "rescale_factor": 1 / 255,
-            "do_normalize": True,
-            "image_mean": [0.5, 0.5, 0.5],
-            "image_std": [0.5, 0.5, 0.5],
+            **_RESCALE_TO_UNIT,
             "do_pad": True,
         },
         "processor_config.json": {"processor_class": proc_class, "image_seq_len": 4},
