@@ -200,12 +200,16 @@ FRAGMENTS = sorted(
 )
 
 
-@given(
+#: Random model text in a new family, with or without reasoning, and a chunking to draw.
+random_texts = given(
     text=model_text(FRAGMENTS, max_size=24),
     family=st.sampled_from(NEW),
     reasoning=st.booleans(),
     data=st.data(),
 )
+
+
+@random_texts
 def test_random_text_is_chunking_invariant(
     text: str, family: str, reasoning: bool, data: st.DataObject
 ) -> None:
@@ -248,12 +252,7 @@ def test_a_call_cut_by_max_tokens_is_dropped(family: str) -> None:
     assert shape(run_cut([closed], family)) == expected(family)
 
 
-@given(
-    text=model_text(FRAGMENTS, max_size=24),
-    family=st.sampled_from(NEW),
-    reasoning=st.booleans(),
-    data=st.data(),
-)
+@random_texts
 def test_random_text_cut_is_chunking_invariant(
     text: str, family: str, reasoning: bool, data: st.DataObject
 ) -> None:

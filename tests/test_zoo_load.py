@@ -155,16 +155,20 @@ def test_logits_only_where_asked_equal_mlx_lm_full_logits():
         assert mx.allclose(zm.logits(h[:, 2, :]), full[:, 2, :], atol=1e-5).item(), model_type
 
 
+class _Wrapper(nn.Module):
+    """An architecture wrapping an mlx-lm model, its layers the inner model's."""
+
+    def __init__(self, inner: nn.Module) -> None:
+        super().__init__()
+        self.body = inner
+
+    @property
+    def layers(self):
+        return self.body.layers
+
+
 def test_an_architecture_whose_call_is_not_head_of_backbone_runs_whole():
-    class Odd(nn.Module):
-        def __init__(self, inner: nn.Module) -> None:
-            super().__init__()
-            self.body = inner
-
-        @property
-        def layers(self):
-            return self.body.layers
-
+    class Odd(_Wrapper):
         def __call__(self, inputs, cache=None):
             return self.body(inputs, cache=cache) * 2.0
 
@@ -231,15 +235,7 @@ def test_reference_loop_and_whole_call_architectures_through_the_engine():
     want = mlx_lm_greedy(lm.model.inner, ids, 8, lm.eos_token_ids)
     assert greedy_reference(lm, ids, 8) == want
 
-    class Whole(nn.Module):
-        def __init__(self, inner: nn.Module) -> None:
-            super().__init__()
-            self.body = inner
-
-        @property
-        def layers(self):
-            return self.body.layers
-
+    class Whole(_Wrapper):
         def make_cache(self):
             return self.body.make_cache()
 
