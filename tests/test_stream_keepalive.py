@@ -119,27 +119,19 @@ def prompt(tag: str, answer: str) -> str:
     return f"{tag} " + "many words of a long prompt " * 60 + say(answer)
 
 
+def _messages_body(text: str) -> dict[str, Any]:
+    """A streamed Messages or Chat Completions body (the two read the same fields here)."""
+    return {
+        "model": "slow",
+        "max_tokens": 32,
+        "stream": True,
+        "messages": [{"role": "user", "content": text}],
+    }
+
+
 ROUTES = {
-    "anthropic": (
-        "/v1/messages",
-        lambda text: {
-            "model": "slow",
-            "max_tokens": 32,
-            "stream": True,
-            "messages": [{"role": "user", "content": text}],
-        },
-        lambda line: line == "event: ping",
-    ),
-    "openai-chat": (
-        "/v1/chat/completions",
-        lambda text: {
-            "model": "slow",
-            "max_tokens": 32,
-            "stream": True,
-            "messages": [{"role": "user", "content": text}],
-        },
-        lambda line: line == ": ping",
-    ),
+    "anthropic": ("/v1/messages", _messages_body, lambda line: line == "event: ping"),
+    "openai-chat": ("/v1/chat/completions", _messages_body, lambda line: line == ": ping"),
     "openai-responses": (
         "/v1/responses",
         lambda text: {
