@@ -10,7 +10,8 @@ No prefix space (Gemma's ``add_space_prefix = false``).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 _CONTROL, _USER_DEFINED = 3, 4
 
@@ -57,3 +58,13 @@ def _fragment(text: str, vocab: dict[str, int], scores: Sequence[float]) -> list
         else:
             ids += [vocab[f"<0x{b:02X}>"] for b in s.encode("utf-8")]
     return ids
+
+
+def spm_encode_gguf(text: str, meta: Mapping[str, Any]) -> list[int]:
+    """:func:`spm_encode` with the vocabulary of a GGUF file's metadata."""
+    return spm_encode(
+        text,
+        meta["tokenizer.ggml.tokens"],
+        meta["tokenizer.ggml.scores"].tolist(),
+        meta["tokenizer.ggml.token_type"].tolist(),
+    )

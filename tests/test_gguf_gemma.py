@@ -20,7 +20,7 @@ from mlx_cairn.models.gguf import dequantize, raw_blocks, read_gguf
 from mlx_cairn.models.gguf_check import read_header
 from mlx_cairn.testing.engine import greedy_base
 from mlx_cairn.types import ChatRequest, Done, Message
-from spm_reference import spm_encode
+from spm_reference import spm_encode_gguf
 
 pytestmark = [
     pytest.mark.slow,
@@ -102,12 +102,7 @@ STRINGS = [
 @pytest.mark.parametrize("text", STRINGS)
 def test_tokenizer_encodes_as_the_vocabulary_implies(gemma, text):
     tok, meta = gemma.tokenizer, gemma.metadata
-    want = spm_encode(
-        text,
-        meta["tokenizer.ggml.tokens"],
-        meta["tokenizer.ggml.scores"].tolist(),
-        meta["tokenizer.ggml.token_type"].tolist(),
-    )
+    want = spm_encode_gguf(text, meta)
     assert tok.encode(text) == want
     assert tok.decode(want, skip_special_tokens=False) == text
 

@@ -12,7 +12,7 @@ import pytest
 from gguf_fixtures import write_gguf
 from mlx_cairn.chat.gguf_tokenizer import tokenizer_from_header
 from mlx_cairn.models.gguf_check import read_header
-from spm_reference import spm_encode
+from spm_reference import spm_encode_gguf
 
 SPECIAL = ["<pad>", "<eos>", "<bos>", "<unk>", "<start_of_turn>", "<end_of_turn>"]
 #: Gemma keeps whitespace runs as user-defined pieces, spelled with real spaces/newlines.
@@ -97,12 +97,7 @@ TEXTS = [
 @pytest.mark.parametrize("text", TEXTS)
 def test_sentencepiece_encoding_is_what_the_vocabulary_implies(spm, text):
     tok, meta = spm
-    want = spm_encode(
-        text,
-        meta["tokenizer.ggml.tokens"],
-        meta["tokenizer.ggml.scores"].tolist(),
-        meta["tokenizer.ggml.token_type"].tolist(),
-    )
+    want = spm_encode_gguf(text, meta)
     assert tok.encode(text) == want
     assert tok.decode(tok.encode(text), skip_special_tokens=False) == text
     detok = tok.detokenizer(skip_special_tokens=False)
