@@ -39,8 +39,8 @@ import mlx_cairn  # noqa: F401  (loads the optimized BLAS before mlx.core)
 import mlx.core as mx
 
 from mlx_cairn.engine import Engine, EngineConfig
-from mlx_cairn.engine.core import layer_specs
 from mlx_cairn.engine.paged import KVPools, PagedKVCache
+from mlx_cairn.engine.parts import layer_specs
 from mlx_cairn.models import load
 
 BLOCK = 16

@@ -37,8 +37,8 @@ import mlx.nn as nn
 
 from mlx_cairn.backends.cpu import blas as _blas
 from mlx_cairn.backends.cpu.layout import BlockedLinear
-from mlx_cairn.engine.core import layer_specs
 from mlx_cairn.engine.paged import KVPools, PagedKVCache
+from mlx_cairn.engine.parts import layer_specs
 from mlx_cairn.models import load
 
 LAYOUTS = ("plain", "768-column blocks", "one transposed block")

@@ -33,8 +33,8 @@ import mlx_cairn  # noqa: F401  (loads the optimized BLAS before mlx.core)
 # isort: on
 import mlx.core as mx
 
-from mlx_cairn.engine.core import layer_specs
 from mlx_cairn.engine.paged import MIRROR_MIN_POSITIONS, KVPools, PagedKVCache
+from mlx_cairn.engine.parts import layer_specs
 from mlx_cairn.models import load
 
 BLOCK = 16

@@ -8,8 +8,8 @@ Example::
     async for ev in stream:                # TextDelta / ReasoningDelta / ToolCall ... Done | Error
         ...
 
-engine.py is the any-thread API, core.py the engine thread that owns MLX,
-config.py the options.
+engine.py is the any-thread API, core.py the engine thread that owns MLX, parts.py
+what it is built of (sized from the options), config.py the options.
 """
 
 from __future__ import annotations

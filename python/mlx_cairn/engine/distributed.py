@@ -472,7 +472,7 @@ def follow(model: Any, group: Any, timeout: float) -> int:
     Returns 0 when rank 0 says stop; exits the process (:data:`EXIT_RANK_LOST`)
     when the group is lost.
     """
-    from mlx_cairn.engine.core import layer_specs, materialize
+    from mlx_cairn.engine.parts import layer_specs, materialize
 
     def lost(message: str) -> None:
         log.error("rank %d: exiting: %s", group.rank(), message)

@@ -64,12 +64,13 @@ class Engine(EngineCore):
             for one block, a ``kv_group_size`` that does not divide its head
             dimension, a draft model with another vocabulary ...).
 
-    Building it sizes and allocates the pools (engine/core.py) and starts the
-    engine thread; ``close`` (or leaving a ``with`` block) stops it.
+    Building it sizes and allocates the pools (engine/parts.py) and starts the
+    engine thread (engine/core.py); ``close`` (or leaving a ``with`` block) stops it.
     """
 
     def __init__(self, loaded_model: Any, config: EngineConfig | None = None) -> None:
         super().__init__(loaded_model, EngineConfig() if config is None else config)
+        self._thread = threading.Thread(target=self._loop, name="mlx-cairn-engine", daemon=True)
         _live_engines.add(self)
         self._thread.start()
 
