@@ -262,3 +262,35 @@ def test_stats_are_typed_and_consistent(engine):
     with pytest.raises(AttributeError):  # a misspelt field fails loudly
         getattr(st, "requests_" + "requests")
     assert set(st.as_dict()) >= {"queue_depth", "running", "blocks_cached", "preemptions"}
+
+
+@pytest.mark.parametrize(
+    ("options", "match"),
+    [
+        ({"decode_share": 1.5}, "decode_share"),
+        ({"block_size": 0}, "block_size"),
+        ({"max_batch": -2}, "max_batch"),
+        ({"gather_s": 11}, "gather_s"),
+        ({"speculative": "ngram", "draft_model": object()}, "pick one"),
+        ({"num_speculative_tokens": 65}, "num_speculative_tokens"),
+        ({"kv_disk_dir": "/tmp/x", "kv_disk_gb": 0}, "kv_disk_gb"),
+    ],
+)
+def test_config_refuses_bad_options_before_any_model(options, match):
+    """The options are checked when the config is built: no model, no pools."""
+    with pytest.raises(ValueError, match=match):
+        EngineConfig(**options)
+
+
+def test_config_is_exported_and_frozen():
+    import dataclasses
+
+    import mlx_cairn
+    from mlx_cairn.engine.config import DEFAULT_DISK_GB
+    from mlx_cairn.types import DEFAULT_NUM_SPECULATIVE
+
+    assert mlx_cairn.EngineConfig is EngineConfig
+    cfg = EngineConfig(max_batch=4)
+    assert cfg.speculative_tokens == DEFAULT_NUM_SPECULATIVE and cfg.disk_gb == DEFAULT_DISK_GB
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        cfg.max_batch = 8  # type: ignore[misc]
