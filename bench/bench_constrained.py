@@ -42,7 +42,7 @@ import jsonschema
 import numpy as np
 
 from mlx_cairn import constrain
-from mlx_cairn.engine import Engine
+from mlx_cairn.engine import Engine, EngineConfig
 from mlx_cairn.models import load
 from mlx_cairn.types import (
     ChatRequest,
@@ -97,7 +97,9 @@ FORCED = [
 def forced_calls(lm, family: str) -> tuple[int, int]:
     """Forced calls (both temperatures) that come back as one call of the right tool
     with valid input, out of all, with ``family``'s grammar and parser."""
-    engine = Engine(dataclasses.replace(lm, parser_family=family), max_batch=16, num_blocks=512)
+    engine = Engine(
+        dataclasses.replace(lm, parser_family=family), EngineConfig(max_batch=16, num_blocks=512)
+    )
     reqs = [
         ChatRequest(
             [Message("user", prompt)],
@@ -186,7 +188,7 @@ def main() -> None:
     ap.add_argument("--speed-only", action="store_true", help="only mask cost and decode speed")
     args = ap.parse_args()
     lm = load(None)
-    engine = Engine(lm, max_batch=32, num_blocks=4096)
+    engine = Engine(lm, EngineConfig(max_batch=32, num_blocks=4096))
     if args.speed_only:
         print(f"mask cost per row step (median): {mask_cost(lm):.0f} us")
         speed(lm, args)
@@ -214,7 +216,7 @@ def main() -> None:
 def speed(lm, args) -> None:
     constrain.vocabulary(lm)  # built with the real end-of-turn ids, shared by `fixed`
     fixed = dataclasses.replace(lm, eos_token_ids=set())  # fixed-length outputs
-    engine = Engine(fixed, max_batch=8)
+    engine = Engine(fixed, EngineConfig(max_batch=8))
     decode_rate(engine, False, 8)  # warm-up
     rates: dict[bool, list[float]] = {False: [], True: []}
     for _ in range(args.rounds):

@@ -37,7 +37,7 @@ import numpy as np
 from bench_zoo_batch import submit_ids  # bench/ is on sys.path
 from mlx_cairn.backends.cpu import attention as cpu_attention
 from mlx_cairn.backends.cpu import kernels as cpu_kernels
-from mlx_cairn.engine import Engine
+from mlx_cairn.engine import Engine, EngineConfig
 from mlx_cairn.models import load
 from mlx_cairn.models.loaded import LoadedModel
 from mlx_cairn.types import SamplingParams
@@ -111,7 +111,9 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=48)
     args = ap.parse_args()
     lm = load(None)
-    engine = Engine(dataclasses.replace(lm, eos_token_ids=set()), num_blocks=2048, block_size=16)
+    engine = Engine(
+        dataclasses.replace(lm, eos_token_ids=set()), EngineConfig(num_blocks=2048, block_size=16)
+    )
     res: dict[tuple[str, bool], list[float]] = {}
     seed = 0
     steal0 = steal_ticks()

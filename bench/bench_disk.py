@@ -33,7 +33,7 @@ import time
 from pathlib import Path
 
 import mlx_cairn  # noqa: F401  (loads the optimized BLAS before mlx.core)
-from mlx_cairn.engine import Engine
+from mlx_cairn.engine import Engine, EngineConfig
 from mlx_cairn.engine.disk import DiskTier
 from mlx_cairn.models import load
 from mlx_cairn.types import ChatRequest, Done, Message, SamplingParams
@@ -92,7 +92,9 @@ def read_back(lm: object, reps: int, num_blocks: int) -> list[tuple[float, float
     out = []
     with tempfile.TemporaryDirectory(dir=os.environ.get("CAIRN_BENCH_DISK_DIR")) as tmp:
         d = Path(tmp)
-        e = Engine(lm, num_blocks=num_blocks + 8)  # its pools: the shapes and some rows
+        e = Engine(
+            lm, EngineConfig(num_blocks=num_blocks + 8)
+        )  # its pools: the shapes and some rows
         p = e._pools
         e.close()
         tier = DiskTier(
@@ -141,13 +143,13 @@ def main() -> None:
     for rep in range(args.reps):
         with tempfile.TemporaryDirectory(dir=os.environ.get("CAIRN_BENCH_DISK_DIR")) as tmp:
             d = Path(tmp)
-            e = Engine(lm, kv_disk_dir=d)
+            e = Engine(lm, EngineConfig(kv_disk_dir=d))
             ask(e, f"Question {rep}: what does the build do?")
             n_system = ask(e, "x").usage.cached_tokens  # the system part, resident
             e.close()
             files = sorted(d.glob("*/*.kvb"))
             drop_cache(files)
-            e = Engine(lm, kv_disk_dir=d)  # the restart
+            e = Engine(lm, EngineConfig(kv_disk_dir=d))  # the restart
             hit = ask(e, f"Question {rep}: which tests are slow?")
             st = e.stats()
             e.close()

@@ -42,7 +42,7 @@ import mlx.core as mx
 
 # isort: on
 from http_stream import TOPICS  # bench/ is on sys.path
-from mlx_cairn.engine import Engine
+from mlx_cairn.engine import Engine, EngineConfig
 from mlx_cairn.engine.reference import GenerationStats, generate_tokens
 from mlx_cairn.models import load
 from mlx_cairn.types import ChatRequest, Done, Message, SamplingParams
@@ -211,7 +211,7 @@ def main(argv: list[str]) -> int:
 
     lm = load()
     lm = dataclasses.replace(lm, eos_token_ids=set())  # fixed-length outputs
-    engine = Engine(lm, kv_cache_gb=1.0, max_batch=max(levels))
+    engine = Engine(lm, EngineConfig(kv_cache_gb=1.0, max_batch=max(levels)))
     results: dict[str, Any] = {"model": lm.name, "tokens": args.tokens}
     print(f"model {lm.name}; {args.tokens} tokens per request", flush=True)
 

@@ -38,7 +38,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_zoo_batch import ours, random_model, theirs
-from mlx_cairn.engine import Engine
+from mlx_cairn.engine import Engine, EngineConfig
 from mlx_cairn.models.loaded import LoadedModel
 from mlx_cairn.testing.engine import greedy_base
 from mlx_cairn.testing.tiny_configs import VOCAB
@@ -93,7 +93,7 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=32, help="generated per request (batching)")
     args = ap.parse_args()
     lm = hybrid_model()
-    engine = Engine(lm, num_blocks=2048, block_size=16)
+    engine = Engine(lm, EngineConfig(num_blocks=2048, block_size=16))
     rng = np.random.default_rng(0)
     cold: list[float] = []
     warm: list[float] = []

@@ -3,7 +3,7 @@
 One process, the embedded SmolLM2-135M (fp32 on CPU). It reports:
 
 - capacity: the tokens an engine's pool holds in a fixed ``--budget-gb``
-  (``Engine(kv_cache_gb=...)``, its ``kv_pool_tokens`` stat: what ``/health``
+  (``Engine(lm, EngineConfig(kv_cache_gb=...))``, its ``kv_pool_tokens`` stat: what ``/health``
   and ``/metrics`` say), so the longest context that fits, at each KV width.
   The ratio that matters is against the full-precision pool the server uses by
   default on this machine (``kv_dtype``: fp32 on a CPU, the model's dtype on a
@@ -38,9 +38,9 @@ import mlx_cairn  # noqa: F401  (loads the optimized BLAS before mlx.core)
 # isort: on
 import mlx.core as mx
 
-from mlx_cairn.engine import Engine
-from mlx_cairn.engine.engine import _layer_specs
+from mlx_cairn.engine import Engine, EngineConfig
 from mlx_cairn.engine.paged import KVPools, PagedKVCache
+from mlx_cairn.engine.parts import layer_specs
 from mlx_cairn.models import load
 
 BLOCK = 16
@@ -67,7 +67,9 @@ def pool_tokens(
     loaded: Any, budget_gb: float, dtype: mx.Dtype, bits: int | None
 ) -> tuple[int, float]:
     """(tokens, bytes per token) of the pool an engine sizes from ``budget_gb``."""
-    e = Engine(loaded, kv_cache_gb=budget_gb, block_size=BLOCK, kv_dtype=dtype, kv_bits=bits)
+    e = Engine(
+        loaded, EngineConfig(kv_cache_gb=budget_gb, block_size=BLOCK, kv_dtype=dtype, kv_bits=bits)
+    )
     try:
         st = e.stats()
         return st.kv_pool_tokens, e._pools.nbytes / (e._pools.num_blocks * BLOCK)
@@ -118,7 +120,7 @@ def main() -> None:
     args = ap.parse_args()
     loaded = load()
     model = loaded.model
-    specs = _layer_specs(model)
+    specs = layer_specs(model)
 
     capacity(loaded, args.budget_gb)
     if args.capacity_only:

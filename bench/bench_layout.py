@@ -37,8 +37,8 @@ import mlx.nn as nn
 
 from mlx_cairn.backends.cpu import blas as _blas
 from mlx_cairn.backends.cpu.layout import BlockedLinear
-from mlx_cairn.engine.engine import _layer_specs
 from mlx_cairn.engine.paged import KVPools, PagedKVCache
+from mlx_cairn.engine.parts import layer_specs
 from mlx_cairn.models import load
 
 LAYOUTS = ("plain", "768-column blocks", "one transposed block")
@@ -82,7 +82,7 @@ def main() -> None:
         else:
             model.head = heads[layout]
 
-    pools = KVPools(num_blocks=1024, block_size=16, layers=_layer_specs(model))
+    pools = KVPools(num_blocks=1024, block_size=16, layers=layer_specs(model))
 
     def step_ms(rows: int, j: int) -> float:
         tables = [list(range(1 + b * 10, 1 + (b + 1) * 10)) for b in range(rows)]

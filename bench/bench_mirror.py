@@ -33,15 +33,15 @@ import mlx_cairn  # noqa: F401  (loads the optimized BLAS before mlx.core)
 # isort: on
 import mlx.core as mx
 
-from mlx_cairn.engine.engine import _layer_specs
 from mlx_cairn.engine.paged import MIRROR_MIN_POSITIONS, KVPools, PagedKVCache
+from mlx_cairn.engine.parts import layer_specs
 from mlx_cairn.models import load
 
 BLOCK = 16
 
 
 def run_case(model, rows: int, context: int, rounds: int, steps: int) -> dict[str, float]:
-    specs = _layer_specs(model)
+    specs = layer_specs(model)
     per_row = (context + steps + 2 * BLOCK) // BLOCK
     # Room for the mirror too: it may take half the pools' bytes.
     pools = KVPools(num_blocks=3 * rows * per_row + 1, block_size=BLOCK, layers=specs)

@@ -32,7 +32,7 @@ import mlx_cairn  # noqa: F401  (loads the optimized BLAS before mlx.core)
 import mlx.core as mx
 
 # isort: on
-from mlx_cairn.engine import Engine
+from mlx_cairn.engine import Engine, EngineConfig
 from mlx_cairn.engine import logits as L
 from mlx_cairn.models import load
 from mlx_cairn.models.loaded import vocab_size
@@ -82,7 +82,7 @@ def micro(vocab: int, rows: int = 8, iters: int = 50) -> dict[str, float]:
 
     class Row:  # just what logits.process reads
         def __init__(self, kind: str) -> None:
-            from mlx_cairn.engine.sequence import PreparedRequest
+            from mlx_cairn.engine.request import PreparedRequest
 
             self.prepared = PreparedRequest(
                 request=ChatRequest([Message("user", "x")]),
@@ -119,7 +119,7 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=48)
     args = ap.parse_args()
     lm = dataclasses.replace(load(None), eos_token_ids=set())  # fixed-length outputs
-    engine = Engine(lm, max_batch=8)
+    engine = Engine(lm, EngineConfig(max_batch=8))
     kinds = ["plain", "processors", "logprobs", "both"]
     run(engine, "plain", 8)  # warm-up
     steps: dict[str, list[float]] = {k: [] for k in kinds}

@@ -38,7 +38,7 @@ import time
 import mlx_cairn  # noqa: F401  (loads the optimized BLAS before mlx.core)
 
 # isort: on
-from mlx_cairn.engine import Engine
+from mlx_cairn.engine import Engine, EngineConfig
 from mlx_cairn.models import load
 from mlx_cairn.types import ChatRequest, Done, Message, SamplingParams
 
@@ -114,8 +114,8 @@ def draft_peer(lm, reps: int, max_tokens: int, k: int) -> None:
         save_folder(lm, folder)
     model, tok = lm_load(str(folder))
     req = edit_request(0, max_tokens)
-    plain = Engine(lm, kv_cache_gb=0.5)
-    drafted = Engine(lm, kv_cache_gb=0.5, draft_model=lm, num_speculative_tokens=k)
+    plain = Engine(lm, EngineConfig(kv_cache_gb=0.5))
+    drafted = Engine(lm, EngineConfig(kv_cache_gb=0.5, draft_model=lm, num_speculative_tokens=k))
     ids = plain.prepare(req).prompt_ids
     rows: dict[str, list[float]] = {n: [] for n in ("ours", "ours+draft", "mlx_lm", "mlx_lm+draft")}
     outs: dict[str, list[int]] = {}
@@ -172,13 +172,16 @@ def main() -> None:
     if args.draft_peer:
         draft_peer(lm, args.reps, args.edit_tokens, args.draft_k)
         return
-    engines = {"plain": Engine(lm, max_batch=8, kv_cache_gb=0.5)}
+    engines = {"plain": Engine(lm, EngineConfig(max_batch=8, kv_cache_gb=0.5))}
     for k in ks:
         engines[f"ngram K={k}"] = Engine(
-            lm, max_batch=8, kv_cache_gb=0.5, speculative="ngram", num_speculative_tokens=k
+            lm,
+            EngineConfig(
+                max_batch=8, kv_cache_gb=0.5, speculative="ngram", num_speculative_tokens=k
+            ),
         )
     for budget in [int(b) for b in args.step_drafts.split(",") if b]:
-        eng = Engine(lm, max_batch=8, kv_cache_gb=0.5, speculative="ngram")
+        eng = Engine(lm, EngineConfig(max_batch=8, kv_cache_gb=0.5, speculative="ngram"))
         eng._scheduler.step_draft_tokens = budget
         engines[f"ngram K=8, {budget} per step"] = eng
     edit1 = [edit_request(0, args.edit_tokens)]

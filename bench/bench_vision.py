@@ -32,7 +32,7 @@ import numpy as np
 from PIL import Image as PILImage
 
 import mlx_cairn  # noqa: F401  (optimized BLAS first)
-from mlx_cairn.engine import Engine
+from mlx_cairn.engine import Engine, EngineConfig
 from mlx_cairn.models import load
 from mlx_cairn.testing.vision import tiny_vision_folder
 from mlx_cairn.types import IMAGE_MARK, ChatRequest, Done, Image, Message, SamplingParams
@@ -197,7 +197,7 @@ def main() -> None:
         def fresh() -> Engine:
             lm.vision._features.clear()  # cold: the vision tower runs again
             lm.vision._processed.clear()
-            return Engine(lm, num_blocks=1024, block_size=16)
+            return Engine(lm, EngineConfig(num_blocks=1024, block_size=16))
 
         with fresh() as engine:
             ours(engine, [turn1(50, picture(999), 4)])  # warm-up (graph building, caches)
@@ -222,7 +222,7 @@ def main() -> None:
         print(f"turn 2 TTFT, turn 1 cached:   ours {w * 1e3:7.1f} ms   (warm / cold {w / c:.3f})")
         print(f"  cached / input tokens of the warm turn 2: {hits}")
 
-        with Engine(lm, num_blocks=1024, block_size=16) as engine:
+        with Engine(lm, EngineConfig(num_blocks=1024, block_size=16)) as engine:
             imgs = [picture(100 + i) for i in range(args.concurrent)]
             reqs = [turn1(100 + i, im, args.max_tokens) for i, im in enumerate(imgs)]
             _, outs, wall = ours(engine, reqs)

@@ -41,7 +41,7 @@ import mlx.core as mx
 # isort: on
 import numpy as np
 
-from mlx_cairn.engine import Engine
+from mlx_cairn.engine import Engine, EngineConfig
 from mlx_cairn.models import load, zoo
 from mlx_cairn.models.gguf import read_gguf
 from mlx_cairn.models.loaded import LoadedModel, assemble
@@ -172,7 +172,10 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         zoo_models = models(Path(tmp))
     engines = {
-        k: Engine(dataclasses.replace(lm, eos_token_ids=set()), num_blocks=1024, block_size=16)
+        k: Engine(
+            dataclasses.replace(lm, eos_token_ids=set()),
+            EngineConfig(num_blocks=1024, block_size=16),
+        )
         for k, (lm, _) in zoo_models.items()
     }
     res: dict[tuple[str, str, int], list[float]] = {}

@@ -30,7 +30,7 @@ import mlx_cairn  # noqa: F401  (loads the optimized BLAS before mlx.core)
 import mlx.core as mx
 
 # isort: on
-from mlx_cairn.engine import Engine
+from mlx_cairn.engine import Engine, EngineConfig
 from mlx_cairn.models import load
 from mlx_cairn.models.gguf import read_gguf
 from mlx_cairn.models.loader import default_model_path
@@ -157,7 +157,7 @@ def main() -> None:
     }
     para = "The trail climbs past cairns and a stream; it is closed in deep snow. "
     system = para * (args.prefill // len(ours.tokenizer.encode(para)))
-    engines = {k: Engine(v, num_blocks=1024, block_size=16) for k, v in sides.items()}
+    engines = {k: Engine(v, EngineConfig(num_blocks=1024, block_size=16)) for k, v in sides.items()}
     # Same greedy tokens on both sides (a check that they run the same model).
     outs = {}
     for k, e in engines.items():

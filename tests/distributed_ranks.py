@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import json
 import logging
 import sys
@@ -199,9 +200,13 @@ def tiny_pool(distributed: Any) -> Iterator[None]:
 
     def tiny() -> type:
         class TinyPool(base()):  # type: ignore[misc]
-            def __init__(self, *args: Any, **kwargs: Any) -> None:
-                kwargs.update(kv_cache_gb=None, num_blocks=TINY_POOL_BLOCKS + 1)
-                super().__init__(*args, **kwargs)
+            def __init__(self, loaded: Any, config: Any = None, **kwargs: Any) -> None:
+                from mlx_cairn.engine import EngineConfig
+
+                config = dataclasses.replace(
+                    config or EngineConfig(), kv_cache_gb=None, num_blocks=TINY_POOL_BLOCKS + 1
+                )
+                super().__init__(loaded, config, **kwargs)
 
         return TinyPool
 

@@ -19,7 +19,7 @@ import uvicorn
 
 from mlx_cairn.api import ModelRegistry, ServerConfig, create_app
 from mlx_cairn.api.connection import http_protocol
-from mlx_cairn.engine import Engine
+from mlx_cairn.engine import Engine, EngineConfig
 from mlx_cairn.engine.stats import EngineStats
 from mlx_cairn.testing.engine import assert_at_rest
 from scripted_model import scripted_model
@@ -102,7 +102,7 @@ def engine_text(folder: Path, prompt: str, max_tokens: int) -> str:
     req = ChatRequest(
         [Message("user", prompt)], max_tokens=max_tokens, sampling=SamplingParams(temperature=0.0)
     )
-    with closing_at_rest(Engine(lm, num_blocks=64, block_size=16)) as engine:
+    with closing_at_rest(Engine(lm, EngineConfig(num_blocks=64, block_size=16))) as engine:
         s = engine.submit(req)
         list(s.iter_sync(timeout=120))
         ids = s.output_ids
@@ -214,8 +214,8 @@ def scripted_server(token: str, aliases: dict[str, str]) -> Iterator[dict[str, A
     429) and ``broken``'s loader fails (for 500). Each working engine has a
     :class:`Blocker` as its fault hook. Yields url, app, engines and blockers.
     """
-    main = Engine(scripted_model("scripted"), num_blocks=1024, max_queue=8)
-    tight = Engine(scripted_model("tight"), num_blocks=128, max_queue=1, max_batch=1)
+    main = Engine(scripted_model("scripted"), EngineConfig(num_blocks=1024, max_queue=8))
+    tight = Engine(scripted_model("tight"), EngineConfig(num_blocks=128, max_queue=1, max_batch=1))
     blockers = {"scripted": Blocker(), "tight": Blocker()}
     main._fault_hook = blockers["scripted"]
     tight._fault_hook = blockers["tight"]

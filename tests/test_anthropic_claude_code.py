@@ -16,7 +16,7 @@ import pytest
 
 from live_server import registry_for, serve, sse_events
 from mlx_cairn.api import ServerConfig
-from mlx_cairn.engine import Engine
+from mlx_cairn.engine import Engine, EngineConfig
 from mlx_cairn.protocol.anthropic import TITLE_MAX_TOKENS
 from mlx_cairn.testing.engine import assert_at_rest
 from scripted_model import say, scripted_model
@@ -33,7 +33,7 @@ def fixture(name: str) -> dict[str, Any]:
 def servers() -> Iterator[dict[str, str]]:
     """One scripted engine behind a Claude Code-style configuration (``--default-model
     --clamp-max-tokens``) and behind a strict one (no default, no clamping)."""
-    engine = Engine(scripted_model(), num_blocks=1024)
+    engine = Engine(scripted_model(), EngineConfig(num_blocks=1024))
     out: dict[str, str] = {}
     try:
         with (
@@ -59,7 +59,7 @@ def cc_server(servers: dict[str, str]) -> str:
 def long_server() -> Iterator[str]:
     """Claude Code's settings over a context that holds its whole prompt (the tiny
     tokenizer spends ~1.2 tokens per character of its redacted filler)."""
-    engine = Engine(scripted_model(context_length=131072), num_blocks=12000)
+    engine = Engine(scripted_model(context_length=131072), EngineConfig(num_blocks=12000))
     try:
         with serve(
             registry_for({"scripted": engine}, default_model=""),

@@ -20,7 +20,7 @@ import pytest
 
 from live_server import registry_for, serve, sse_events
 from mlx_cairn.api import ServerConfig
-from mlx_cairn.engine import Engine
+from mlx_cairn.engine import Engine, EngineConfig
 from mlx_cairn.testing.engine import assert_at_rest
 from scripted_model import say, scripted_model
 
@@ -81,7 +81,7 @@ def assert_each_turn_reuses_the_last(turns: list[tuple[Any, Any]]) -> None:
 
 @pytest.fixture(scope="module")
 def scripted() -> Iterator[tuple[anthropic.Anthropic, str]]:
-    engine = Engine(scripted_model(), num_blocks=2048, block_size=BLOCK)
+    engine = Engine(scripted_model(), EngineConfig(num_blocks=2048, block_size=BLOCK))
     try:
         with (
             serve(registry_for({"scripted": engine})) as srv,
@@ -148,7 +148,7 @@ def test_message_start_carries_the_real_cache_hit(scripted: Any) -> None:
 @pytest.mark.slow
 def test_default_model_conversation_reuses_every_turn(default_model: Any) -> None:
     """The embedded SmolLM2 at temperature 0: each answer is in the cache for the next turn."""
-    engine = Engine(default_model, kv_cache_gb=0.25, block_size=BLOCK)
+    engine = Engine(default_model, EngineConfig(kv_cache_gb=0.25, block_size=BLOCK))
     try:
         with (
             serve(registry_for({"smol": engine})) as srv,
@@ -170,7 +170,7 @@ def test_default_model_conversation_reuses_every_turn(default_model: Any) -> Non
 
 def test_pings_keep_a_queued_stream_alive_until_message_start() -> None:
     """message_start waits for admission; pings come first and the SDK accepts them."""
-    engine = Engine(scripted_model(), num_blocks=512, block_size=BLOCK, max_batch=1)
+    engine = Engine(scripted_model(), EngineConfig(num_blocks=512, block_size=BLOCK, max_batch=1))
     engine._fault_hook = lambda: time.sleep(0.01)  # a slow model: ~100 steps per second
     try:
         with (

@@ -28,7 +28,7 @@ import pytest
 
 from live_server import registry_for, serve
 from mlx_cairn.api import ServerConfig
-from mlx_cairn.engine import Engine
+from mlx_cairn.engine import Engine, EngineConfig
 from mlx_cairn.protocol.anthropic import parse_count_tokens_request, parse_messages_request
 from mlx_cairn.testing.engine import assert_at_rest
 from scripted_model import scripted_model
@@ -47,7 +47,9 @@ def fixture(name: str) -> dict[str, Any]:
 @pytest.fixture
 def server() -> Iterator[str]:
     """A fresh engine per test: what is cached comes from this test's requests only."""
-    engine = Engine(scripted_model(context_length=131072), num_blocks=6000, block_size=BLOCK)
+    engine = Engine(
+        scripted_model(context_length=131072), EngineConfig(num_blocks=6000, block_size=BLOCK)
+    )
     try:
         with serve(
             registry_for({"scripted": engine}, default_model=""),

@@ -18,7 +18,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from live_server import registry_for, serve
-from mlx_cairn.engine import Engine
+from mlx_cairn.engine import Engine, EngineConfig
 from mlx_cairn.testing.engine import assert_at_rest
 from scripted_model import say, scripted_model
 
@@ -31,7 +31,7 @@ WEATHER = {
 
 @pytest.fixture(scope="module")
 def server() -> Iterator[tuple[anthropic.Anthropic, Engine]]:
-    engine = Engine(scripted_model(), num_blocks=1024)
+    engine = Engine(scripted_model(), EngineConfig(num_blocks=1024))
     try:
         with (
             serve(registry_for({"scripted": engine})) as srv,
@@ -254,7 +254,7 @@ def test_random_scripts_stream_equals_create(server: Any, case: tuple[str, dict[
 def test_default_model_free_text() -> None:
     from mlx_cairn.models import load
 
-    engine = Engine(load(None), kv_cache_gb=0.25)
+    engine = Engine(load(None), EngineConfig(kv_cache_gb=0.25))
     try:
         with (
             serve(registry_for({"SmolLM2-135M-Instruct": engine})) as srv,

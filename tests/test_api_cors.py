@@ -24,7 +24,7 @@ from live_server import registry_for, sse_events
 from mlx_cairn.api import ServerConfig, create_app
 from mlx_cairn.api.app import CORS_ALLOW_HEADERS
 from mlx_cairn.cli.serve import add_arguments, build
-from mlx_cairn.engine import Engine
+from mlx_cairn.engine import Engine, EngineConfig
 from mlx_cairn.testing.engine import assert_at_rest
 from scripted_model import say, scripted_model
 
@@ -73,7 +73,9 @@ def cors_headers(r: Any) -> dict[str, str]:
 
 @pytest.fixture(scope="module")
 def engine() -> Iterator[Engine]:
-    eng = Engine(scripted_model("scripted"), num_blocks=128, block_size=16, max_queue=8)
+    eng = Engine(
+        scripted_model("scripted"), EngineConfig(num_blocks=128, block_size=16, max_queue=8)
+    )
     yield eng
     eng.close()
 

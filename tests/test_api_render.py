@@ -12,14 +12,16 @@ from starlette.testclient import TestClient
 
 from live_server import registry_for
 from mlx_cairn.api import ServerConfig, create_app
-from mlx_cairn.engine import Engine
+from mlx_cairn.engine import Engine, EngineConfig
 from mlx_cairn.types import ChatRequest, Message, RawPrompt
 from scripted_model import scripted_model
 
 
 @pytest.fixture(scope="module")
 def engine() -> Iterator[Engine]:
-    eng = Engine(scripted_model("scripted"), num_blocks=64, block_size=16, max_queue=8)
+    eng = Engine(
+        scripted_model("scripted"), EngineConfig(num_blocks=64, block_size=16, max_queue=8)
+    )
     yield eng
     eng.close()
 

@@ -19,7 +19,7 @@ from starlette.testclient import TestClient
 
 from live_server import registry_for, serve
 from mlx_cairn.api import ModelRegistry, ServerConfig, create_app
-from mlx_cairn.engine import Engine
+from mlx_cairn.engine import Engine, EngineConfig
 from scripted_model import scripted_model
 
 TOKEN = "routes-token-0123456789"
@@ -31,7 +31,9 @@ ALIASES = {"fast": "scripted", "claude-haiku-*": "scripted"}
 
 @pytest.fixture(scope="module")
 def engine() -> Iterator[Engine]:
-    eng = Engine(scripted_model("scripted"), num_blocks=128, block_size=16, max_queue=8)
+    eng = Engine(
+        scripted_model("scripted"), EngineConfig(num_blocks=128, block_size=16, max_queue=8)
+    )
     yield eng
     eng.close()
 

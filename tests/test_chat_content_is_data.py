@@ -27,7 +27,7 @@ from tokenizers import Tokenizer as HFTokenizer
 from live_server import registry_for, serve
 from mlx_cairn.chat import ChatTemplate, Tokenizer, build_prompt, detect_reasoning
 from mlx_cairn.chat.builtin_templates import CHATML, QWEN3
-from mlx_cairn.engine import Engine
+from mlx_cairn.engine import Engine, EngineConfig
 from mlx_cairn.protocol.anthropic import parse_messages_request
 from mlx_cairn.protocol.openai_chat import parse_chat_request
 from mlx_cairn.testing.engine import assert_at_rest
@@ -427,7 +427,7 @@ def test_think_in_a_message_does_not_open_reasoning() -> None:
 
 @pytest.fixture(scope="module")
 def served() -> Iterator[tuple[Engine, str]]:
-    engine = Engine(scripted_model(), num_blocks=1024)
+    engine = Engine(scripted_model(), EngineConfig(num_blocks=1024))
     try:
         with serve(registry_for({"scripted": engine})) as srv:
             yield engine, srv.url

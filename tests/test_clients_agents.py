@@ -22,7 +22,7 @@ from langchain_core.utils.function_calling import convert_to_openai_tool
 from pydantic import BaseModel, Field
 
 from live_server import registry_for, serve
-from mlx_cairn.engine import Engine
+from mlx_cairn.engine import Engine, EngineConfig
 from mlx_cairn.testing.engine import assert_at_rest
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
@@ -30,7 +30,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
 @pytest.fixture(scope="module")
 def live(default_model) -> Iterator[str]:
-    engine = Engine(default_model, max_batch=8, num_blocks=1024)
+    engine = Engine(default_model, EngineConfig(max_batch=8, num_blocks=1024))
     try:
         with serve(registry_for({"smol": engine})) as srv:
             yield srv.url

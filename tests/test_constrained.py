@@ -9,7 +9,7 @@ import re
 import jsonschema
 import pytest
 
-from mlx_cairn.engine import Engine
+from mlx_cairn.engine import Engine, EngineConfig
 from mlx_cairn.errors import InvalidRequest
 from mlx_cairn.testing.engine import assert_at_rest
 from mlx_cairn.types import (
@@ -177,7 +177,7 @@ TOOLS = [
 
 @pytest.fixture(scope="module")
 def engine(default_model):
-    e = Engine(default_model, max_batch=16, num_blocks=2048)
+    e = Engine(default_model, EngineConfig(max_batch=16, num_blocks=2048))
     yield e
     e.close()
 

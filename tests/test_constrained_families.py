@@ -347,7 +347,7 @@ def test_the_embedded_model_calls_in_every_family(default_model):
     raw-text value until max_tokens (bench/RESULTS.md counts how often)."""
     import dataclasses
 
-    from mlx_cairn.engine import Engine
+    from mlx_cairn.engine import Engine, EngineConfig
     from mlx_cairn.types import Done, SamplingParams, ToolCall
 
     cases = [
@@ -359,7 +359,7 @@ def test_the_embedded_model_calls_in_every_family(default_model):
     ended = 0
     for family in FAMILIES:
         lm = dataclasses.replace(default_model, parser_family=family)
-        engine = Engine(lm, max_batch=4, num_blocks=256)
+        engine = Engine(lm, EngineConfig(max_batch=4, num_blocks=256))
         reqs = [
             ChatRequest(
                 [Message("user", prompt)],

@@ -16,7 +16,7 @@ import pytest
 from pydantic import BaseModel
 
 from live_server import registry_for, serve
-from mlx_cairn.engine import Engine
+from mlx_cairn.engine import Engine, EngineConfig
 from mlx_cairn.testing.engine import assert_at_rest
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
@@ -60,7 +60,7 @@ OPENAI_TOOLS = [
 
 @pytest.fixture(scope="module")
 def live(default_model) -> Iterator[dict[str, Any]]:
-    engine = Engine(default_model, max_batch=8, num_blocks=1024)
+    engine = Engine(default_model, EngineConfig(max_batch=8, num_blocks=1024))
     try:
         with serve(registry_for({"smol": engine})) as srv:
             oa = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0)

@@ -8,8 +8,8 @@ import threading
 import pytest
 
 import mlx_cairn
-from mlx_cairn.engine import Engine, paged
-from mlx_cairn.engine.engine import DEFAULT_MAX_BATCH
+from mlx_cairn.engine import Engine, EngineConfig, paged
+from mlx_cairn.engine.config import DEFAULT_MAX_BATCH
 from mlx_cairn.engine.stats import EngineStats
 from mlx_cairn.errors import ContextLengthExceeded, EngineError, InvalidRequest
 from mlx_cairn.testing.engine import assert_at_rest, closing_at_rest, greedy_reference
@@ -26,7 +26,7 @@ def lm():
 
 @pytest.fixture
 def engine(lm):
-    with closing_at_rest(Engine(lm, num_blocks=128, block_size=8)) as e:
+    with closing_at_rest(Engine(lm, EngineConfig(num_blocks=128, block_size=8))) as e:
         yield e
 
 
@@ -166,7 +166,7 @@ def test_fault_in_a_step_fails_only_that_step(engine):
 
 
 def test_fault_mid_decode_fails_the_batch_but_not_the_queue(lm):
-    e = Engine(lm, num_blocks=128, block_size=8, max_batch=2)
+    e = Engine(lm, EngineConfig(num_blocks=128, block_size=8, max_batch=2))
     steps = []
 
     def hook() -> None:
@@ -192,7 +192,7 @@ def test_fault_mid_decode_fails_the_batch_but_not_the_queue(lm):
 
 
 def test_close_ends_pending_streams_and_refuses_new_work(lm):
-    e = Engine(lm, num_blocks=64, block_size=8)
+    e = Engine(lm, EngineConfig(num_blocks=64, block_size=8))
     gate = threading.Event()
     e._fault_hook = lambda: gate.wait(TIMEOUT)
     streams = [e.submit(req(f"r{i}", max_tokens=50)) for i in range(3)]
@@ -210,18 +210,18 @@ def test_close_ends_pending_streams_and_refuses_new_work(lm):
 def test_pool_sizing(lm):
     model = lm.model
     per_block = 2 * model.num_layers * 16 * model.num_kv_heads * model.head_dim * 4
-    e = Engine(lm, kv_cache_gb=1000 * per_block / 2**30)
+    e = Engine(lm, EngineConfig(kv_cache_gb=1000 * per_block / 2**30))
     try:
         assert e.stats().blocks_total == 999
         assert e.stats().kv_cache_bytes == 1000 * per_block
     finally:
         e.close()
     with pytest.raises(ValueError, match="does not fit"):
-        Engine(lm, kv_cache_gb=1e6)
+        Engine(lm, EngineConfig(kv_cache_gb=1e6))
     with pytest.raises(ValueError):
-        Engine(lm, kv_cache_gb=-1)
+        Engine(lm, EngineConfig(kv_cache_gb=-1))
     with pytest.raises(ValueError):
-        Engine(lm, num_blocks=1)
+        Engine(lm, EngineConfig(num_blocks=1))
     default = Engine(lm)
     try:
         st = default.stats()
@@ -262,3 +262,35 @@ def test_stats_are_typed_and_consistent(engine):
     with pytest.raises(AttributeError):  # a misspelt field fails loudly
         getattr(st, "requests_" + "requests")
     assert set(st.as_dict()) >= {"queue_depth", "running", "blocks_cached", "preemptions"}
+
+
+@pytest.mark.parametrize(
+    ("options", "match"),
+    [
+        ({"decode_share": 1.5}, "decode_share"),
+        ({"block_size": 0}, "block_size"),
+        ({"max_batch": -2}, "max_batch"),
+        ({"gather_s": 11}, "gather_s"),
+        ({"speculative": "ngram", "draft_model": object()}, "pick one"),
+        ({"num_speculative_tokens": 65}, "num_speculative_tokens"),
+        ({"kv_disk_dir": "/tmp/x", "kv_disk_gb": 0}, "kv_disk_gb"),
+    ],
+)
+def test_config_refuses_bad_options_before_any_model(options, match):
+    """The options are checked when the config is built: no model, no pools."""
+    with pytest.raises(ValueError, match=match):
+        EngineConfig(**options)
+
+
+def test_config_is_exported_and_frozen():
+    import dataclasses
+
+    import mlx_cairn
+    from mlx_cairn.engine.config import DEFAULT_DISK_GB
+    from mlx_cairn.types import DEFAULT_NUM_SPECULATIVE
+
+    assert mlx_cairn.EngineConfig is EngineConfig
+    cfg = EngineConfig(max_batch=4)
+    assert cfg.speculative_tokens == DEFAULT_NUM_SPECULATIVE and cfg.disk_gb == DEFAULT_DISK_GB
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        cfg.max_batch = 8  # type: ignore[misc]

@@ -113,7 +113,7 @@ def test_prefill_alone_is_never_held():
 def test_engine_holds_prefill_for_a_decoding_stream_and_answers_stay_greedy(share):
     import dataclasses
 
-    from mlx_cairn.engine import Engine
+    from mlx_cairn.engine import Engine, EngineConfig
     from mlx_cairn.testing.engine import closing_at_rest, greedy_reference
     from mlx_cairn.testing.models import tiny_model
     from mlx_cairn.types import ChatRequest, Done, Message, SamplingParams
@@ -122,7 +122,9 @@ def test_engine_holds_prefill_for_a_decoding_stream_and_answers_stay_greedy(shar
     short = [(11 * i) % 200 + 20 for i in range(12)]
     long = [(7 * i) % 230 + 9 for i in range(320)]  # five chunks of 64
 
-    engine = Engine(lm, num_blocks=128, block_size=16, step_token_budget=64, decode_share=share)
+    engine = Engine(
+        lm, EngineConfig(num_blocks=128, block_size=16, step_token_budget=64, decode_share=share)
+    )
     with closing_at_rest(engine) as e:
         base = e.prepare(
             ChatRequest(messages=[Message("user", "x")], sampling=SamplingParams(temperature=0.0))
@@ -143,8 +145,8 @@ def test_engine_holds_prefill_for_a_decoding_stream_and_answers_stay_greedy(shar
 
 @pytest.mark.parametrize("bad", [-0.1, 0.95, float("nan"), "0.5"])
 def test_engine_refuses_a_share_out_of_range(bad):
-    from mlx_cairn.engine import Engine
+    from mlx_cairn.engine import Engine, EngineConfig
     from mlx_cairn.testing.models import tiny_model
 
     with pytest.raises(ValueError, match="decode_share"):
-        Engine(tiny_model("llama", seed=9), num_blocks=16, decode_share=bad)
+        Engine(tiny_model("llama", seed=9), EngineConfig(num_blocks=16, decode_share=bad))

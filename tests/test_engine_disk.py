@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from mlx_cairn.engine import Engine
+from mlx_cairn.engine import Engine, EngineConfig
 from mlx_cairn.engine.disk import SUFFIX
 from mlx_cairn.testing.engine import closing_at_rest, generate_from_ids, greedy_base
 from mlx_cairn.testing.models import tiny_model
@@ -40,12 +40,14 @@ def generate(engine: Engine, prompt: list[int]) -> tuple[list[int], Done]:
 
 
 def cold(lm, prompt: list[int]) -> list[int]:
-    with closing_at_rest(Engine(lm, num_blocks=128, block_size=BS)) as e:
+    with closing_at_rest(Engine(lm, EngineConfig(num_blocks=128, block_size=BS))) as e:
         return generate(e, prompt)[0]
 
 
 def disk_engine(lm, tmp: Path, num_blocks: int = 96, gb: float = 1.0) -> Engine:
-    return Engine(lm, num_blocks=num_blocks, block_size=BS, kv_disk_dir=tmp, kv_disk_gb=gb)
+    return Engine(
+        lm, EngineConfig(num_blocks=num_blocks, block_size=BS, kv_disk_dir=tmp, kv_disk_gb=gb)
+    )
 
 
 def files(tmp: Path) -> list[Path]:
@@ -176,7 +178,9 @@ def test_a_hybrid_pool_smaller_than_its_working_set_hits_from_disk(tmp_path):
     hybrid = tiny_zoo_model("qwen3_5", seed=1)
     rng = np.random.default_rng(7)
     prefixes = [ids(rng, 41) for _ in range(12)]
-    engine = Engine(hybrid, num_blocks=48, block_size=BS, kv_disk_dir=tmp_path, state_snapshots=4)
+    engine = Engine(
+        hybrid, EngineConfig(num_blocks=48, block_size=BS, kv_disk_dir=tmp_path, state_snapshots=4)
+    )
     with closing_at_rest(engine) as e:
         for q in prefixes:
             generate(e, q)

@@ -11,7 +11,7 @@ import pytest
 from mlx_lm.models.cache import KVCache, QuantizedKVCache, make_prompt_cache
 
 from mlx_cairn.backends.cpu import attention as cpu_attention
-from mlx_cairn.engine import Engine
+from mlx_cairn.engine import Engine, EngineConfig
 from mlx_cairn.testing.engine import closing_at_rest, greedy_base
 from mlx_cairn.testing.models import tiny_zoo_model
 from mlx_cairn.types import Done
@@ -77,7 +77,7 @@ def hybrid():
 def test_teacher_forced_against_mlx_lm(request, which, bits):
     lm = request.getfixturevalue(which)
     inner = lm.model.inner
-    with closing_at_rest(Engine(lm, num_blocks=64, block_size=16, kv_bits=bits)) as e:
+    with closing_at_rest(Engine(lm, EngineConfig(num_blocks=64, block_size=16, kv_bits=bits))) as e:
         for prompt in PROMPTS:
             ours = _ids(e, prompt, 12)
             ref = _mlx_lm_logits(inner, prompt + ours, len(prompt), bits, chunk=len(prompt))
@@ -101,13 +101,13 @@ def test_teacher_forced_against_mlx_lm(request, which, bits):
 )
 def test_bad_settings_refuse_to_start(lm, kw, message):
     with pytest.raises(ValueError, match=message):
-        Engine(lm, num_blocks=16, block_size=16, **kw)
+        Engine(lm, EngineConfig(num_blocks=16, block_size=16, **kw))
 
 
 def test_budget_holds_more_tokens(lm):
     blocks = {}
     for bits in (None, 8, 4):
-        e = Engine(lm, kv_cache_gb=0.01, block_size=16, kv_bits=bits)
+        e = Engine(lm, EngineConfig(kv_cache_gb=0.01, block_size=16, kv_bits=bits))
         blocks[bits] = e._pools.num_blocks
         e.close()
     assert blocks[8] > 1.5 * blocks[None] and blocks[4] > 2.5 * blocks[None], blocks
@@ -121,22 +121,29 @@ def test_prefix_sharing_partial_copy_and_preemption_on_quantized_blocks(lm):
     prompts = [[*shared, 30 + k, 31, 32] for k in range(3)]
     fresh = []
     for p in prompts:
-        with closing_at_rest(Engine(lm, num_blocks=64, block_size=16, kv_bits=8)) as e:
+        with closing_at_rest(
+            Engine(lm, EngineConfig(num_blocks=64, block_size=16, kv_bits=8))
+        ) as e:
             fresh.append(_ids(e, p, 8))
-    with closing_at_rest(Engine(lm, num_blocks=64, block_size=16, kv_bits=8)) as e:
+    with closing_at_rest(Engine(lm, EngineConfig(num_blocks=64, block_size=16, kv_bits=8))) as e:
         assert [_ids(e, p, 8) for p in prompts] == fresh
         st = e.stats()
         assert st.prefix_hit_tokens >= 2 * 16 and st.partial_hit_tokens > 0
         assert st.kv_bits == 8 and st.kv_pool_tokens == 63 * 16
     # A pool of 6 usable blocks: three rows of 4 blocks each cannot all run at once.
     with closing_at_rest(
-        Engine(lm, num_blocks=7, block_size=16, kv_bits=8, max_batch=3, step_token_budget=64)
+        Engine(
+            lm,
+            EngineConfig(num_blocks=7, block_size=16, kv_bits=8, max_batch=3, step_token_budget=64),
+        )
     ) as e:
         base = greedy_base(e, 8)
         long = [[(5 * i + k) % 190 + 3 for i in range(30)] for k in range(3)]
         want = []
         for p in long:
-            with closing_at_rest(Engine(lm, num_blocks=64, block_size=16, kv_bits=8)) as f:
+            with closing_at_rest(
+                Engine(lm, EngineConfig(num_blocks=64, block_size=16, kv_bits=8))
+            ) as f:
                 want.append(_ids(f, p, 20))
         subs = [e.submit(dataclasses.replace(base, prompt_ids=p, max_tokens=20)) for p in long]
         for s in subs:
@@ -175,13 +182,18 @@ def test_own_architecture_and_speculative_verification_on_quantized_blocks():
     got = {}
     for spec in (None, "ngram"):
         with closing_at_rest(
-            Engine(own, num_blocks=64, block_size=16, kv_bits=8, kv_group_size=32, speculative=spec)
+            Engine(
+                own,
+                EngineConfig(
+                    num_blocks=64, block_size=16, kv_bits=8, kv_group_size=32, speculative=spec
+                ),
+            )
         ) as e:
             got[spec] = _ids(e, prompt, 16)
             if spec:
                 assert e.stats().spec_draft_tokens > 0
     assert got["ngram"] == got[None]
-    with closing_at_rest(Engine(own, num_blocks=64, block_size=16)) as e:
+    with closing_at_rest(Engine(own, EngineConfig(num_blocks=64, block_size=16))) as e:
         full = _ids(e, prompt, 16)
     assert full[:4] == got[None][:4]  # 8-bit noise is small: the first tokens agree
 
@@ -192,11 +204,11 @@ def test_sliding_window_layers_are_quantized_too():
     # first tokens, and every KV layer's pool must be packed.
     lm = tiny_zoo_model("gemma3_text", seed=3, head_dim=64)
     prompt = [(7 * i) % 200 + 3 for i in range(40)]  # longer than the window (8)
-    with closing_at_rest(Engine(lm, num_blocks=64, block_size=16, kv_bits=8)) as e:
+    with closing_at_rest(Engine(lm, EngineConfig(num_blocks=64, block_size=16, kv_bits=8))) as e:
         q8 = _ids(e, prompt, 8)
         assert all(k is None or k[0].dtype == mx.uint32 for k in e._pools.k)
         assert any(s.window for s in e._pools.layers)
-    with closing_at_rest(Engine(lm, num_blocks=64, block_size=16)) as e:
+    with closing_at_rest(Engine(lm, EngineConfig(num_blocks=64, block_size=16))) as e:
         full = _ids(e, prompt, 8)
     assert q8[:3] == full[:3]
 
@@ -210,7 +222,7 @@ def test_disk_tier_keeps_quantized_blocks_and_ignores_other_settings(lm, tmp_pat
 
     def engine(bits, disk=True):
         kw = {"kv_disk_dir": tmp_path, "kv_disk_gb": 0.05} if disk else {}
-        return Engine(lm, num_blocks=32, block_size=16, kv_bits=bits, **kw)
+        return Engine(lm, EngineConfig(num_blocks=32, block_size=16, kv_bits=bits, **kw))
 
     with closing_at_rest(engine(8)) as e:
         _ids(e, [*system, 40, 41], 4)
@@ -233,7 +245,12 @@ def test_quantized_blocks_evicted_from_a_small_pool_come_back_from_disk(lm, tmp_
     # evicted to disk while running, read back packed, and answer as the first round.
     prompts = [[(17 * i + 3 * k) % 190 + 5 for i in range(41)] for k in range(12)]
     with closing_at_rest(
-        Engine(lm, num_blocks=12, block_size=16, kv_bits=8, kv_disk_dir=tmp_path, kv_disk_gb=0.05)
+        Engine(
+            lm,
+            EngineConfig(
+                num_blocks=12, block_size=16, kv_bits=8, kv_disk_dir=tmp_path, kv_disk_gb=0.05
+            ),
+        )
     ) as e:
         first = [_ids(e, p, 3) for p in prompts]
         assert e._disk.drain()
@@ -301,7 +318,7 @@ def test_health_metrics_and_start_up_log_say_how_many_tokens_the_pool_holds(fold
     logged = [r.getMessage() for r in caplog.records if r.getMessage().startswith("KV pool:")]
     assert any(f"({tokens} tokens), 8-bit, groups of 64" in m for m in logged), logged
     # The same budget at full precision (fp32 here) holds under a third of that.
-    full = Engine(lm, kv_cache_gb=budget, block_size=pools.block_size)
+    full = Engine(lm, EngineConfig(kv_cache_gb=budget, block_size=pools.block_size))
     held = full.stats().kv_pool_tokens
     full.close()
     assert 3 * held < tokens, (held, tokens)

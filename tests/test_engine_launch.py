@@ -22,7 +22,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from mlx_cairn.engine import Engine
+from mlx_cairn.engine import Engine, EngineConfig
 from mlx_cairn.engine import model_runner as runner_mod
 from mlx_cairn.testing.engine import engines_at_rest, greedy_reference
 from mlx_cairn.testing.models import tiny_model
@@ -245,4 +245,4 @@ def test_gathering_is_bounded_and_handles_never_leak(make_engine):
 @pytest.mark.parametrize("bad", [-1, 11, "1", None])
 def test_gather_s_is_checked(lm, bad):
     with pytest.raises(ValueError, match="gather_s"):
-        Engine(lm, num_blocks=16, gather_s=bad)
+        Engine(lm, EngineConfig(num_blocks=16, gather_s=bad))

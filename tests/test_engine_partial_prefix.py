@@ -7,9 +7,10 @@ import dataclasses
 
 import pytest
 
-from mlx_cairn.engine import Engine
+from mlx_cairn.engine import Engine, EngineConfig
+from mlx_cairn.engine.request import PreparedRequest
 from mlx_cairn.engine.scheduler import MIN_PARTIAL_ROWS, Scheduler
-from mlx_cairn.engine.sequence import PreparedRequest, Sequence
+from mlx_cairn.engine.sequence import Sequence
 from mlx_cairn.kv import BlockPool, PrefixCache
 from mlx_cairn.testing.engine import (
     bare_sequence,
@@ -148,7 +149,7 @@ def _answer(engine: Engine, prepared: PreparedRequest) -> tuple[list[int], Done]
 
 
 def test_engine_answers_equal_the_reference_with_copied_rows(lm, kv):
-    with closing_at_rest(Engine(lm, num_blocks=128, block_size=16, **kv)) as e:
+    with closing_at_rest(Engine(lm, EngineConfig(num_blocks=128, block_size=16, **kv))) as e:
         base = _base(e)
         shared = [(7 * i) % 200 + 3 for i in range(16 + 11)]
         a = [*shared, *range(40, 60)]
@@ -172,7 +173,7 @@ def test_engine_answers_equal_the_reference_with_copied_rows(lm, kv):
 
 def test_engine_source_evicted_meanwhile_is_never_read(lm, kv):
     # A pool so small that every new prompt evicts the cached blocks of the last.
-    with closing_at_rest(Engine(lm, num_blocks=8, block_size=16, **kv)) as e:
+    with closing_at_rest(Engine(lm, EngineConfig(num_blocks=8, block_size=16, **kv))) as e:
         base = _base(e)
         shared = [(11 * i) % 150 + 5 for i in range(16 + 9)]
         for round_ in range(4):
@@ -186,7 +187,7 @@ def test_engine_source_evicted_meanwhile_is_never_read(lm, kv):
 
 def test_hybrid_models_copy_nothing():
     lm = tiny_zoo_model(next(iter(HYBRID_CONFIGS)), seed=2)
-    with closing_at_rest(Engine(lm, num_blocks=64, block_size=16)) as e:
+    with closing_at_rest(Engine(lm, EngineConfig(num_blocks=64, block_size=16))) as e:
         base = _base(e)
         shared = [(7 * i) % 200 + 3 for i in range(16 + 11)]
         _answer(e, greedy([*shared, 1, 2, 3], 4, base))

@@ -6,7 +6,7 @@ import dataclasses
 
 import pytest
 
-from mlx_cairn.engine import Engine
+from mlx_cairn.engine import Engine, EngineConfig
 from mlx_cairn.engine.scheduler import Scheduler
 from mlx_cairn.engine.sequence import Sequence
 from mlx_cairn.kv import BlockPool, PrefixCache
@@ -101,7 +101,7 @@ def lm():
 
 @pytest.fixture
 def engine(lm):
-    with closing_at_rest(Engine(lm, num_blocks=256, block_size=4)) as e:
+    with closing_at_rest(Engine(lm, EngineConfig(num_blocks=256, block_size=4))) as e:
         yield e
 
 

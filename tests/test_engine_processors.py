@@ -6,7 +6,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from mlx_cairn.engine import Engine
+from mlx_cairn.engine import Engine, EngineConfig
 from mlx_cairn.engine.reference import prefill
 from mlx_cairn.errors import InvalidRequest
 from mlx_cairn.models.cache import ContiguousKVCache
@@ -24,7 +24,7 @@ def lm():
 
 @pytest.fixture(scope="module")
 def engine(lm):
-    e = Engine(lm, num_blocks=128, block_size=4, max_batch=8)
+    e = Engine(lm, EngineConfig(num_blocks=128, block_size=4, max_batch=8))
     yield e
     e.close()
 

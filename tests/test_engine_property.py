@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from mlx_cairn.engine import Engine
+from mlx_cairn.engine import Engine, EngineConfig
 from mlx_cairn.errors import ContextLengthExceeded, QueueFull
 from mlx_cairn.testing.engine import assert_at_rest, greedy_reference
 from mlx_cairn.testing.models import tiny_model, tiny_zoo_model
@@ -126,7 +126,7 @@ config = st.fixed_dictionaries(
 def test_random_schedules_never_leak_or_hang(case, lm, cfg, ops, faults):
     """Random arrivals, cancels and faults in any phase of any row: faulted rows end
     with an internal error, every other row gets exactly the reference tokens."""
-    engine = Engine(lm, **cfg, **case[1])
+    engine = Engine(lm, EngineConfig(**cfg, **case[1]))
     hook = Faults(faults)
     engine._row_fault_hook = hook
     try:

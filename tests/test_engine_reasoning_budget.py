@@ -6,7 +6,7 @@ from typing import Any
 
 import pytest
 
-from mlx_cairn.engine import Engine
+from mlx_cairn.engine import Engine, EngineConfig
 from mlx_cairn.engine.reasoning import ReasoningBudget
 from mlx_cairn.protocol.anthropic import EFFORT_REASONING, parse_messages_request
 from mlx_cairn.testing.engine import closing_at_rest
@@ -27,7 +27,7 @@ LONG_THOUGHT = "<think>" + "step " * 40 + "</think>The answer."
 
 @pytest.fixture(scope="module")
 def engine() -> Any:
-    with closing_at_rest(Engine(scripted_model(), num_blocks=512, block_size=8)) as e:
+    with closing_at_rest(Engine(scripted_model(), EngineConfig(num_blocks=512, block_size=8))) as e:
         yield e
 
 

@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from mlx_cairn.engine import Engine
+from mlx_cairn.engine import Engine, EngineConfig
 from mlx_cairn.engine.scheduler import StepPlan
 from mlx_cairn.testing.engine import assert_at_rest
 from mlx_cairn.types import ChatRequest, Done, Error, Message, SamplingParams, TextDelta
@@ -32,7 +32,7 @@ def text_of(events: list[Any]) -> str:
 @pytest.mark.parametrize("phase", PHASES)
 @pytest.mark.parametrize("after", [0, 3], ids=["first-step", "mid-decode"])
 def test_a_fault_tied_to_one_row_fails_that_row_only(phase: str, after: int) -> None:
-    engine = Engine(scripted_model(), num_blocks=256, block_size=8)
+    engine = Engine(scripted_model(), EngineConfig(num_blocks=256, block_size=8))
     seen: dict[int, int] = {}
 
     def hook(at: str, seq: Any) -> None:
@@ -64,7 +64,7 @@ def test_a_fault_tied_to_one_row_fails_that_row_only(phase: str, after: int) -> 
 
 def test_a_failing_launch_is_retried_row_by_row() -> None:
     """The runner itself raising for a batch: rows that run alone go on."""
-    engine = Engine(scripted_model(), num_blocks=256, block_size=8)
+    engine = Engine(scripted_model(), EngineConfig(num_blocks=256, block_size=8))
     runner = engine._runner
     real = runner.execute
 
@@ -90,7 +90,7 @@ def test_a_failed_read_back_never_leaves_a_request_stuck() -> None:
     """The read-back of a step fails whole (a device failure) just after the next
     step admitted a second request: the second request's first token, still in
     flight, is lost with it. Every request still ends, and the engine goes on."""
-    engine = Engine(scripted_model(), num_blocks=256, block_size=8)
+    engine = Engine(scripted_model(), EngineConfig(num_blocks=256, block_size=8))
     runner = engine._runner
     real = runner.read
     ids: dict[str, int] = {}
@@ -126,7 +126,7 @@ def test_a_failed_read_back_never_leaves_a_request_stuck() -> None:
 def test_a_plan_that_cannot_progress_waits_instead_of_spinning() -> None:
     """Queued work that no rule can plan or end: the loop sleeps until an event
     (here a cancel) instead of planning again and again."""
-    engine = Engine(scripted_model(), num_blocks=256, block_size=8)
+    engine = Engine(scripted_model(), EngineConfig(num_blocks=256, block_size=8))
     sched = engine._scheduler
     real = sched.schedule
     calls = {"n": 0}

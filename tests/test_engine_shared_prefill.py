@@ -7,9 +7,10 @@ import dataclasses
 
 import pytest
 
-from mlx_cairn.engine import Engine
+from mlx_cairn.engine import Engine, EngineConfig
+from mlx_cairn.engine.request import PreparedRequest
 from mlx_cairn.engine.scheduler import Scheduler
-from mlx_cairn.engine.sequence import PreparedRequest, Sequence
+from mlx_cairn.engine.sequence import Sequence
 from mlx_cairn.kv import BlockPool, PrefixCache
 from mlx_cairn.testing.engine import bare_sequence, closing_at_rest, greedy_base, greedy_reference
 from mlx_cairn.testing.models import mlx_lm_greedy, tiny_model, tiny_zoo_model
@@ -161,7 +162,9 @@ def _together(engine: Engine, prepared: list[PreparedRequest]) -> list[list]:
 @pytest.mark.parametrize(("budget", "shared"), [(512, 200), (64, 192)])
 def test_four_together_compute_the_prefix_once(lm, budget, shared):
     prompts = [[*SHARED[:shared], *t] for t in TAILS]
-    with closing_at_rest(Engine(lm, num_blocks=128, block_size=16, step_token_budget=budget)) as e:
+    with closing_at_rest(
+        Engine(lm, EngineConfig(num_blocks=128, block_size=16, step_token_budget=budget))
+    ) as e:
         got = _together(e, [_prepared(e, p) for p in prompts])
         st = e.stats()
         for p, res in zip(prompts, got, strict=True):
@@ -184,7 +187,9 @@ def test_four_together_compute_the_prefix_once(lm, budget, shared):
 def test_leader_cancelled_mid_prefill_leaves_followers_correct(lm):
     shared = [(17 * i) % 230 + 9 for i in range(320)]  # 20 blocks: five chunks of 64
     prompts = [[*shared, *t] for t in TAILS]
-    with closing_at_rest(Engine(lm, num_blocks=128, block_size=16, step_token_budget=64)) as e:
+    with closing_at_rest(
+        Engine(lm, EngineConfig(num_blocks=128, block_size=16, step_token_budget=64))
+    ) as e:
         prepared = [_prepared(e, p) for p in prompts]
         leader: list[Sequence] = []
 
@@ -216,7 +221,9 @@ def test_leader_cancelled_mid_prefill_leaves_followers_correct(lm):
 def test_leader_failing_mid_prefill_lets_the_waiter_compute_the_rest(lm):
     shared = [(19 * i) % 230 + 8 for i in range(700)]  # 43 blocks of 16, and 12 tokens
     prompts = [[*shared, *t] for t in TAILS]
-    with closing_at_rest(Engine(lm, num_blocks=256, block_size=16, step_token_budget=512)) as e:
+    with closing_at_rest(
+        Engine(lm, EngineConfig(num_blocks=256, block_size=16, step_token_budget=512))
+    ) as e:
         prepared = [_prepared(e, p) for p in prompts]
 
         def hook(phase: str, seq: Sequence) -> None:
@@ -246,7 +253,9 @@ def test_hybrid_followers_join_at_the_snapshot(lm):
     hy = tiny_zoo_model(next(iter(HYBRID_CONFIGS)), seed=4)
     shared = SHARED[:192]  # 12 blocks; the last user message starts there (a snapshot)
     prompts = [[*shared, *t] for t in TAILS]
-    with closing_at_rest(Engine(hy, num_blocks=128, block_size=16, step_token_budget=512)) as e:
+    with closing_at_rest(
+        Engine(hy, EngineConfig(num_blocks=128, block_size=16, step_token_budget=512))
+    ) as e:
         got = _together(e, [_prepared(e, p, last_user_at=len(shared)) for p in prompts])
         st = e.stats()
     eos = set(hy.eos_token_ids)

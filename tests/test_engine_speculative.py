@@ -9,7 +9,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from mlx_cairn.engine import Engine
+from mlx_cairn.engine import Engine, EngineConfig
 from mlx_cairn.engine.speculate import NgramProposer, RowSpec, VerifyRow, verify
 from mlx_cairn.testing.engine import assert_at_rest, greedy_reference, greedy_reference_at
 from mlx_cairn.testing.models import tiny_model
@@ -178,7 +178,7 @@ def done(events: list) -> Done:
 
 def test_greedy_output_is_unchanged_batched_and_alone(lm, spec):
     reqs = [greedy(p, 40) for p in PROMPTS]
-    with Engine(lm, **spec, max_batch=8) as eng:
+    with Engine(lm, EngineConfig(**spec, max_batch=8)) as eng:
         batched = run_all(eng, reqs)
         alone = [run_all(eng, [r])[0] for r in reqs]
         for r, b, a in zip(reqs, batched, alone, strict=True):
@@ -193,7 +193,7 @@ def test_greedy_output_is_unchanged_batched_and_alone(lm, spec):
 
 
 def test_output_ids_match_the_reference_token_for_token(lm, spec):
-    with Engine(lm, **spec, max_batch=4) as eng:
+    with Engine(lm, EngineConfig(**spec, max_batch=4)) as eng:
         streams = [eng.submit(greedy(p, 40)) for p in PROMPTS]
         for s, p in zip(streams, PROMPTS, strict=True):
             list(s.iter_sync(timeout=TIMEOUT))
@@ -211,7 +211,7 @@ def test_events_equal_without_speculation_with_stops_and_lengths(lm, spec):
         stop = [text[len(text) // 2 : len(text) // 2 + 3]] if len(text) > 8 else []
         for n in (1, 7, 40):
             reqs.append(greedy(p, n, stop=stop))
-    with Engine(lm) as plain_eng, Engine(lm, **spec, max_batch=8) as spec_eng:
+    with Engine(lm) as plain_eng, Engine(lm, EngineConfig(**spec, max_batch=8)) as spec_eng:
         want = run_all(plain_eng, reqs)
         got = run_all(spec_eng, reqs)
         for w, g in zip(want, got, strict=True):
@@ -225,7 +225,7 @@ def test_events_equal_without_speculation_with_stops_and_lengths(lm, spec):
 def test_rejected_positions_never_enter_the_prefix_cache(lm, spec):
     """The next turn holds the whole first answer: its prefix hit reuses only blocks of
     accepted tokens (a rejected draft's KV in a cached block would change its output)."""
-    with Engine(lm, **spec, block_size=4) as eng:
+    with Engine(lm, EngineConfig(**spec, block_size=4)) as eng:
         for p in PROMPTS:
             first = eng.submit(greedy(p, 40))
             list(first.iter_sync(timeout=TIMEOUT))
@@ -255,7 +255,7 @@ def test_preemption_under_a_small_pool_keeps_outputs_exact(lm, spec, kv):
         if "draft_model" in spec:
             spec = {"draft_model": tiny_model("qwen3", seed=1, noise=0.05)}
     reqs = [greedy(p, 40) for p in PROMPTS] * 2
-    with Engine(lm, **spec, **kw, num_blocks=40, block_size=4, max_batch=8) as eng:
+    with Engine(lm, EngineConfig(**spec, **kw, num_blocks=40, block_size=4, max_batch=8)) as eng:
         streams = [eng.submit(r) for r in reqs]
         for s, r in zip(streams, reqs, strict=True):
             list(s.iter_sync(timeout=TIMEOUT))
@@ -265,7 +265,7 @@ def test_preemption_under_a_small_pool_keeps_outputs_exact(lm, spec, kv):
 
 
 def test_opt_out_and_ineligible_rows_do_not_speculate(lm, spec):
-    with Engine(lm, **spec) as eng:
+    with Engine(lm, EngineConfig(**spec)) as eng:
         off = done(run_all(eng, [greedy(PROMPTS[2], 32, speculative=False)])[0])
         penalized = ChatRequest(
             [Message("user", PROMPTS[2])],
@@ -287,7 +287,7 @@ def test_sampled_rows_speculate_and_stay_seeded(lm, spec):
         max_tokens=32,
         sampling=SamplingParams(temperature=0.8, seed=7),
     )
-    with Engine(lm, **spec, max_batch=8) as eng:
+    with Engine(lm, EngineConfig(**spec, max_batch=8)) as eng:
         alone = eng.submit(req)
         list(alone.iter_sync(timeout=TIMEOUT))
         streams = [eng.submit(req if i == 2 else greedy(p, 32)) for i, p in enumerate(PROMPTS)]
@@ -298,7 +298,7 @@ def test_sampled_rows_speculate_and_stay_seeded(lm, spec):
 
 
 def test_a_fault_in_a_verify_row_fails_that_request_only(lm, spec):
-    with Engine(lm, **spec, max_batch=8) as eng:
+    with Engine(lm, EngineConfig(**spec, max_batch=8)) as eng:
         victim: list[int] = []
 
         def hook(phase, seq):
@@ -323,7 +323,7 @@ def test_a_fault_in_a_verify_row_fails_that_request_only(lm, spec):
 def test_a_lost_verify_step_is_recomputed(lm, spec):
     """A step that fails on the device loses its verify rows' drafts: the rows feed
     their last known token again and finish with the reference output."""
-    with Engine(lm, **spec, max_batch=8) as eng:
+    with Engine(lm, EngineConfig(**spec, max_batch=8)) as eng:
         runner = eng._runner
         real = runner.read
         failed: list[bool] = []
@@ -349,13 +349,13 @@ def test_a_lost_verify_step_is_recomputed(lm, spec):
 
 def test_bad_settings_are_refused(lm, spec):
     with pytest.raises(ValueError, match="speculative"):
-        Engine(lm, speculative="medusa")
+        Engine(lm, EngineConfig(speculative="medusa"))
     with pytest.raises(ValueError, match="num_speculative_tokens"):
-        Engine(lm, **spec, num_speculative_tokens=-1)
+        Engine(lm, EngineConfig(**spec, num_speculative_tokens=-1))
 
 
 def test_a_draft_model_that_always_agrees_has_every_draft_accepted(lm):
-    with Engine(lm, draft_model=tiny_model("llama", seed=1), max_batch=4) as eng:
+    with Engine(lm, EngineConfig(draft_model=tiny_model("llama", seed=1), max_batch=4)) as eng:
         for d in [done(e) for e in run_all(eng, [greedy(p, 32) for p in PROMPTS])]:
             assert d.usage.draft_tokens > 0
             assert d.usage.accepted_draft_tokens == d.usage.draft_tokens
@@ -363,7 +363,7 @@ def test_a_draft_model_that_always_agrees_has_every_draft_accepted(lm):
 
 
 def test_a_draft_model_that_never_agrees_changes_nothing(lm):
-    with Engine(lm, draft_model=tiny_model("llama", seed=2), max_batch=4) as eng:
+    with Engine(lm, EngineConfig(draft_model=tiny_model("llama", seed=2), max_batch=4)) as eng:
         streams = [eng.submit(greedy(p, 32)) for p in PROMPTS]
         for s, p in zip(streams, PROMPTS, strict=True):
             list(s.iter_sync(timeout=TIMEOUT))
@@ -374,6 +374,6 @@ def test_a_draft_model_that_never_agrees_changes_nothing(lm):
 @pytest.mark.slow
 def test_a_draft_model_must_share_the_vocabulary(lm, default_model):
     with pytest.raises(ValueError, match="same tokenizer"):
-        Engine(lm, draft_model=default_model)
+        Engine(lm, EngineConfig(draft_model=default_model))
     with pytest.raises(ValueError, match="pick one"):
-        Engine(lm, speculative="ngram", draft_model=lm)
+        Engine(lm, EngineConfig(speculative="ngram", draft_model=lm))

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from mlx_cairn.engine import Engine
+from mlx_cairn.engine import Engine, EngineConfig
 from mlx_cairn.testing.engine import closing_at_rest
 from mlx_cairn.types import (
     ChatRequest,
@@ -26,7 +26,7 @@ WEATHER = Tool("get_weather", "Weather of a city", {"type": "object", "propertie
 
 @pytest.fixture(scope="module")
 def engine():
-    with closing_at_rest(Engine(scripted_model(), num_blocks=512, block_size=8)) as e:
+    with closing_at_rest(Engine(scripted_model(), EngineConfig(num_blocks=512, block_size=8))) as e:
         yield e
 
 

@@ -21,7 +21,7 @@ import openai
 import pytest
 
 from live_server import registry_for, serve
-from mlx_cairn.engine import Engine
+from mlx_cairn.engine import Engine, EngineConfig
 from mlx_cairn.testing.engine import assert_at_rest
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
@@ -57,7 +57,7 @@ MAX_TOKENS = 200
 
 @pytest.fixture(scope="module")
 def live(default_model) -> Iterator[dict[str, Any]]:
-    engine = Engine(default_model, max_batch=16, num_blocks=2048)
+    engine = Engine(default_model, EngineConfig(max_batch=16, num_blocks=2048))
     try:
         with serve(registry_for({"smol": engine})) as srv:
             oa = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0)

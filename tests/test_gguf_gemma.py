@@ -159,7 +159,7 @@ def test_engine_greedy_equals_mlx_lm_gemma3_text(gemma, gemma_lm):
     """The engine (paged pools, sliding layers, batched rows, one a prefix hit) against
     mlx-lm's gemma3_text with its own caches on the same dequantized weights."""
     pytest.importorskip("mlx_lm", reason="mlx-lm provides the reference gemma3_text model")
-    from mlx_cairn.engine import Engine
+    from mlx_cairn.engine import Engine, EngineConfig
     from mlx_cairn.models import zoo
     from mlx_cairn.testing.engine import closing_at_rest
     from mlx_cairn.testing.models import mlx_lm_greedy
@@ -191,7 +191,7 @@ def test_engine_greedy_equals_mlx_lm_gemma3_text(gemma, gemma_lm):
     want = {k: mlx_lm_greedy(ref, v, n, lm.eos_token_ids) for k, v in ids.items()}
     assert len({t for v in want.values() for t in v}) > 5, want
 
-    engine = Engine(lm, num_blocks=256, block_size=16)
+    engine = Engine(lm, EngineConfig(num_blocks=256, block_size=16))
     with closing_at_rest(engine):
         base = greedy_base(engine, n)
         first = engine.submit(dataclasses.replace(base, prompt_ids=ids["long"], max_tokens=n))

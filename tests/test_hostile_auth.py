@@ -21,7 +21,7 @@ import pytest
 
 from live_server import read_all, registry_for, serve
 from mlx_cairn.api import ServerConfig
-from mlx_cairn.engine import Engine
+from mlx_cairn.engine import Engine, EngineConfig
 from scripted_model import say, scripted_model
 
 TOKEN = "auth-token-0123456789abcdef"
@@ -64,7 +64,7 @@ BAD: list[list[tuple[bytes, bytes]]] = [
 
 @pytest.fixture(scope="module")
 def env() -> Iterator[dict[str, Any]]:
-    engine = Engine(scripted_model(), num_blocks=64, block_size=16)
+    engine = Engine(scripted_model(), EngineConfig(num_blocks=64, block_size=16))
     config = ServerConfig(api_token=TOKEN, max_body_bytes=64 * 1024)
     with serve(registry_for({"scripted": engine}), config) as srv:
         yield {"url": srv.url, "port": srv.port, "engine": engine}

@@ -20,7 +20,7 @@ import pytest
 
 from live_server import ANTHROPIC_ERROR_TYPES, registry_for, serve
 from mlx_cairn.api import ServerConfig
-from mlx_cairn.engine import Engine
+from mlx_cairn.engine import Engine, EngineConfig
 from mlx_cairn.testing.engine import assert_at_rest
 from scripted_model import say, scripted_model
 
@@ -92,7 +92,7 @@ ROUTES = [
 
 @pytest.fixture(scope="module")
 def env() -> Iterator[dict[str, Any]]:
-    engine = Engine(scripted_model(), num_blocks=160, block_size=16, max_queue=8)
+    engine = Engine(scripted_model(), EngineConfig(num_blocks=160, block_size=16, max_queue=8))
     config = ServerConfig(
         api_token=TOKEN, max_body_bytes=MAX_BODY, max_tokens_limit=MAX_TOKENS_LIMIT
     )

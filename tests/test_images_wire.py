@@ -34,7 +34,7 @@ from hypothesis import strategies as st
 
 from live_server import registry_for, serve
 from mlx_cairn.api import ServerConfig
-from mlx_cairn.engine import Engine
+from mlx_cairn.engine import Engine, EngineConfig
 from mlx_cairn.errors import InvalidRequest
 from mlx_cairn.protocol.anthropic import parse_count_tokens_request, parse_messages_request
 from mlx_cairn.protocol.images import (
@@ -469,10 +469,10 @@ class Seen:
 
 @pytest.fixture(scope="module")
 def live() -> Iterator[dict[str, Any]]:
-    text = Engine(tiny_model("qwen3"), num_blocks=128, block_size=16)
+    text = Engine(tiny_model("qwen3"), EngineConfig(num_blocks=128, block_size=16))
     seeing_model = tiny_model("qwen3", seed=1)
     seeing_model.takes_images = True  # test only: see the module doc
-    seeing = Engine(seeing_model, num_blocks=128, block_size=16)
+    seeing = Engine(seeing_model, EngineConfig(num_blocks=128, block_size=16))
     seen = Seen(seeing)
     host = ImageHost()
     config = ServerConfig(images=ImageLimits(allow_urls=True, url_timeout=1.0, max_images=3))
@@ -689,7 +689,7 @@ def vision(tmp_path_factory: Any) -> Iterator[dict[str, Any]]:
     from mlx_cairn.testing.vision import tiny_vision_folder
 
     lm = load(str(tiny_vision_folder("gemma3", tmp_path_factory.mktemp("gemma3"))))
-    engine = Engine(lm, num_blocks=256, block_size=4)
+    engine = Engine(lm, EngineConfig(num_blocks=256, block_size=4))
     try:
         with serve(registry_for({"eyes": engine})) as srv:
             clients = {
@@ -718,7 +718,7 @@ def in_process_text(lm: Any, chat: Any) -> str:
     """The greedy answer of a fresh engine on ``chat`` (what the server must say)."""
     from mlx_cairn.types import TextDelta
 
-    with Engine(lm, num_blocks=128, block_size=4) as engine:
+    with Engine(lm, EngineConfig(num_blocks=128, block_size=4)) as engine:
         events = list(engine.submit(chat).iter_sync(timeout=120))
     return "".join(e.text for e in events if isinstance(e, TextDelta))
 

@@ -19,7 +19,7 @@ from fim_fixtures import fim_model, mlx_lm_generate, qwen_fim_ids
 from live_server import registry_for, serve
 from mlx_cairn.api import ServerConfig
 from mlx_cairn.chat.fim import fim_stop_ids
-from mlx_cairn.engine import Engine
+from mlx_cairn.engine import Engine, EngineConfig
 from mlx_cairn.protocol.llama_infill import fold_chunks
 from mlx_cairn.testing.engine import assert_at_rest
 
@@ -32,8 +32,8 @@ EXTRA = [{"filename": "util.py", "text": "X = 1\n"}]
 @pytest.fixture(scope="module")
 def env() -> Iterator[dict[str, Any]]:
     engines = {
-        "coder": Engine(fim_model("qwen"), num_blocks=128, block_size=8),
-        "chat": Engine(fim_model(None), num_blocks=32, block_size=8),
+        "coder": Engine(fim_model("qwen"), EngineConfig(num_blocks=128, block_size=8)),
+        "chat": Engine(fim_model(None), EngineConfig(num_blocks=32, block_size=8)),
     }
     with serve(registry_for(engines), ServerConfig(ping_interval=0.05)) as srv:
         yield {"url": srv.url, "engines": engines}

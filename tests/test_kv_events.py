@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 import zmq
 
-from mlx_cairn.engine import Engine
+from mlx_cairn.engine import Engine, EngineConfig
 from mlx_cairn.engine.disk import stable_seed
 from mlx_cairn.engine.kv_events import KVEventPublisher, KVEventsError, check_endpoint
 from mlx_cairn.kv import BlockPool, PrefixCache
@@ -135,7 +135,7 @@ def test_stored_chain_shared_prefix_evictions_and_clear(lm):
     w = Wire(pub)
     try:
         # 10 usable blocks: the third prompt must evict the first two's blocks.
-        engine = Engine(lm, num_blocks=11, block_size=BS, max_batch=1, kv_events=pub)
+        engine = Engine(lm, EngineConfig(num_blocks=11, block_size=BS, max_batch=1, kv_events=pub))
         try:
             w.drain()
             assert w.events() == [{"type": "AllBlocksCleared"}]  # a fresh engine says so
@@ -198,7 +198,7 @@ def test_stored_chain_shared_prefix_evictions_and_clear(lm):
 
 def test_engine_owns_a_socket_named_by_address(lm):
     endpoint = free_endpoint()
-    engine = Engine(lm, num_blocks=32, block_size=BS, kv_events=endpoint)
+    engine = Engine(lm, EngineConfig(num_blocks=32, block_size=BS, kv_events=endpoint))
     try:
         assert engine._events is not None and engine._events.endpoint == endpoint
         with pytest.raises(KVEventsError, match="cannot bind"):
@@ -368,13 +368,13 @@ def test_serve_refuses_what_cannot_publish(tmp_path, capsys):
 def test_rebuilt_pools_clear_the_routers_view(lm, monkeypatch):
     """Pools that cannot be evaluated are rebuilt empty (Engine._recover_pools): the
     events say AllBlocksCleared, and what follows is again what the engine holds."""
-    import mlx_cairn.engine.engine as engine_mod
+    import mlx_cairn.engine.core as engine_mod
 
     rng = np.random.default_rng(5)
     prompt = [int(x) for x in rng.integers(3, 300, size=3 * BS + 5)]
     pub = KVEventPublisher(free_endpoint())
     w = Wire(pub)
-    engine = Engine(lm, num_blocks=32, block_size=BS, kv_events=pub)
+    engine = Engine(lm, EngineConfig(num_blocks=32, block_size=BS, kv_events=pub))
     try:
         generate(engine, prompt)
         wait_idle(engine)
@@ -423,7 +423,10 @@ def test_blocks_read_back_from_the_disk_tier_are_stored_again(lm, tmp_path):
     pub = KVEventPublisher(free_endpoint())
     w = Wire(pub)
     engine = Engine(
-        lm, num_blocks=12, block_size=BS, kv_events=pub, kv_disk_dir=tmp_path, kv_disk_gb=0.1
+        lm,
+        EngineConfig(
+            num_blocks=12, block_size=BS, kv_events=pub, kv_disk_dir=tmp_path, kv_disk_gb=0.1
+        ),
     )
     try:
         for _ in range(2):

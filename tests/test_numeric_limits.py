@@ -15,7 +15,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from dialect_parsers import LIMIT, anthropic_request, chat_request, responses_request
-from mlx_cairn.engine import Engine
+from mlx_cairn.engine import Engine, EngineConfig
 from mlx_cairn.errors import InvalidRequest
 from mlx_cairn.testing.engine import closing_at_rest
 from mlx_cairn.types import (
@@ -99,7 +99,9 @@ def test_any_seed_is_refused_or_64_bit(seed: int) -> None:
 def test_tiny_temperatures_are_greedy_and_edge_values_run() -> None:
     """1e-38 used to overflow the softmax into empty output; it now samples greedily,
     and values at every accepted edge run in one batch without failing any row."""
-    with closing_at_rest(Engine(scripted_model(), num_blocks=256, block_size=8)) as engine:
+    with closing_at_rest(
+        Engine(scripted_model(), EngineConfig(num_blocks=256, block_size=8))
+    ) as engine:
 
         def run(sampling: SamplingParams) -> str:
             req = ChatRequest([Message("user", say("edge cases"))], 16, sampling=sampling)

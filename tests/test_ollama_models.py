@@ -21,7 +21,7 @@ from fim_fixtures import fim_model, mlx_lm_generate
 from live_server import registry_for, serve, wait_until
 from mlx_cairn.api import ModelRegistry
 from mlx_cairn.chat.fim import fim_prompt, fim_stop_ids
-from mlx_cairn.engine import Engine
+from mlx_cairn.engine import Engine, EngineConfig
 from mlx_cairn.testing.engine import assert_at_rest
 from mlx_cairn.testing.models import tiny_model
 
@@ -31,8 +31,8 @@ SUFFIX = "\n\nprint(add(1, 2))\n"
 
 @pytest.fixture(scope="module")
 def live() -> Iterator[dict[str, Any]]:
-    chat = Engine(tiny_model("qwen3"), num_blocks=256, block_size=16)
-    coder = Engine(fim_model("qwen"), num_blocks=256, block_size=16)
+    chat = Engine(tiny_model("qwen3"), EngineConfig(num_blocks=256, block_size=16))
+    coder = Engine(fim_model("qwen"), EngineConfig(num_blocks=256, block_size=16))
     try:
         with serve(registry_for({"tiny": chat, "coder": coder})) as srv:
             o = ollama.Client(host=srv.url, timeout=120)
@@ -150,7 +150,7 @@ def lazy() -> Iterator[dict[str, Any]]:
     registry = ModelRegistry(
         ["lazy"],
         loader=lambda src: tiny_model("llama"),
-        engine_factory=lambda lm: Engine(lm, num_blocks=64, block_size=16),
+        engine_factory=lambda lm: Engine(lm, EngineConfig(num_blocks=64, block_size=16)),
     )
     try:
         with serve(registry) as srv:
@@ -198,7 +198,7 @@ def test_keep_alive_loads_and_unloads(lazy: dict[str, Any]) -> None:
 @pytest.mark.slow
 def test_the_embedded_model_says_the_same_in_both_apis(default_model: Any) -> None:
     """SmolLM2 at temperature 0: Ollama chat, streamed and not, and the OpenAI route agree."""
-    engine = Engine(default_model, num_blocks=128)
+    engine = Engine(default_model, EngineConfig(num_blocks=128))
     messages = [{"role": "user", "content": "Name three colours."}]
     try:
         with serve(registry_for({"smol": engine})) as srv:

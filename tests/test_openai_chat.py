@@ -306,9 +306,9 @@ def test_open_ended_request_runs_to_eos(env: dict[str, Any]) -> None:
 def test_default_model_free_text(default_model: Any) -> None:
     """The real SmolLM2: free text streams and folds to the same completion / response."""
     from live_server import registry_for, serve
-    from mlx_cairn.engine import Engine
+    from mlx_cairn.engine import Engine, EngineConfig
 
-    eng = Engine(default_model, num_blocks=160, max_queue=4)
+    eng = Engine(default_model, EngineConfig(num_blocks=160, max_queue=4))
     try:
         with (
             serve(registry_for({"smol": eng})) as srv,

@@ -21,7 +21,7 @@ from fim_fixtures import fim_model, mlx_lm_generate, qwen_fim_ids
 from live_server import registry_for, serve, wait_until
 from mlx_cairn.api import ServerConfig
 from mlx_cairn.chat.fim import fim_stop_ids
-from mlx_cairn.engine import Engine
+from mlx_cairn.engine import Engine, EngineConfig
 from mlx_cairn.testing.engine import assert_at_rest
 
 PREFIX = "def add(x, y):\n    "
@@ -31,8 +31,8 @@ SUFFIX = "\n\nprint(add(1, 2))\n"
 @pytest.fixture(scope="module")
 def env() -> Iterator[dict[str, Any]]:
     engines = {
-        "coder": Engine(fim_model("qwen"), num_blocks=256, block_size=8),
-        "chat": Engine(fim_model(None), num_blocks=64, block_size=8),
+        "coder": Engine(fim_model("qwen"), EngineConfig(num_blocks=256, block_size=8)),
+        "chat": Engine(fim_model(None), EngineConfig(num_blocks=64, block_size=8)),
     }
     registry = registry_for(engines)
     with serve(registry, ServerConfig(ping_interval=0.05)) as srv:

@@ -20,7 +20,7 @@ import pytest
 
 from live_server import serve, wait_until
 from mlx_cairn.api import ModelRegistry, ServerConfig
-from mlx_cairn.engine import Engine
+from mlx_cairn.engine import Engine, EngineConfig
 from mlx_cairn.errors import ModelLoadError
 from mlx_cairn.testing.engine import assert_at_rest
 from scripted_model import say, scripted_model
@@ -200,7 +200,7 @@ def lazy_server(
     engines: list[Recording] = []
 
     def factory(lm: Any) -> Recording:
-        eng = Recording(Engine(lm, num_blocks=512, **(engine_kwargs or {})))
+        eng = Recording(Engine(lm, EngineConfig(num_blocks=512, **(engine_kwargs or {}))))
         engines.append(eng)
         return eng
 
@@ -364,7 +364,9 @@ def test_validation_errors_stay_http_statuses_and_load_nothing() -> None:
 
 def test_no_room_is_still_a_503_for_a_stream() -> None:
     """A load that waits for room sends nothing, so "no room" stays a 503 + Retry-After."""
-    engines = {n: Engine(scripted_model(n), num_blocks=256) for n in ("pinned", "other")}
+    engines = {
+        n: Engine(scripted_model(n), EngineConfig(num_blocks=256)) for n in ("pinned", "other")
+    }
     reg = ModelRegistry(
         list(engines),
         loader=lambda src: engines[str(src)].loaded,

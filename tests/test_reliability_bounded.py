@@ -35,7 +35,7 @@ from live_server import registry_for, serve, wait_until
 from mlx_cairn import heavy
 from mlx_cairn.api import ServerConfig
 from mlx_cairn.chat.tokenizer import Tokenizer
-from mlx_cairn.engine import Engine
+from mlx_cairn.engine import Engine, EngineConfig
 from mlx_cairn.protocol.anthropic import parse_count_tokens_request
 from mlx_cairn.types import ChatRequest, Message
 from scripted_model import scripted_model
@@ -78,8 +78,8 @@ class Counted:
 @pytest.fixture(scope="module")
 def env() -> Iterator[dict[str, Any]]:
     engines = {
-        "scripted": Engine(scripted_model(context_length=8192), num_blocks=1024),
-        "plain": Engine(plain_model(), num_blocks=64),
+        "scripted": Engine(scripted_model(context_length=8192), EngineConfig(num_blocks=1024)),
+        "plain": Engine(plain_model(), EngineConfig(num_blocks=64)),
     }
     counted = {name: Counted(e.loaded) for name, e in engines.items()}
     try:

@@ -22,7 +22,7 @@ import pytest
 from live_server import Blocker, read_all, registry_for, serve, settle_cancel, wait_until
 from mlx_cairn.api import ServerConfig
 from mlx_cairn.api.connection import CairnH11Protocol
-from mlx_cairn.engine import Engine
+from mlx_cairn.engine import Engine, EngineConfig
 from mlx_cairn.testing.engine import assert_at_rest
 from scripted_model import say, scripted_model
 
@@ -39,7 +39,7 @@ ANTHROPIC = b"anthropic-version: 2023-06-01\r\n"
 
 @pytest.fixture(scope="module")
 def env() -> Iterator[dict[str, Any]]:
-    engine = Engine(scripted_model(), num_blocks=256, block_size=16)
+    engine = Engine(scripted_model(), EngineConfig(num_blocks=256, block_size=16))
     blocker = Blocker()
     engine._fault_hook = blocker
     config = ServerConfig(

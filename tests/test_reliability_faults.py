@@ -21,7 +21,7 @@ import pytest
 
 from live_server import registry_for, serve
 from mlx_cairn.api import ServerConfig
-from mlx_cairn.engine import Engine
+from mlx_cairn.engine import Engine, EngineConfig
 from mlx_cairn.testing.engine import assert_at_rest
 from scripted_model import say, scripted_model
 
@@ -61,12 +61,16 @@ class FaultHook:
 @pytest.fixture(scope="module")
 def env() -> Iterator[dict[str, Any]]:
     # max_batch=1: one request per step, the next one waits in the queue.
-    single = Engine(scripted_model("single"), num_blocks=128, block_size=8, max_batch=1)
+    single = Engine(
+        scripted_model("single"), EngineConfig(num_blocks=128, block_size=8, max_batch=1)
+    )
     hook = FaultHook()
     single._fault_hook = hook
     # 13 usable blocks of 8 tokens: each request below needs 7-8, so two at a time
     # already run the pool dry and force preemption and queueing.
-    tiny = Engine(scripted_model("tiny"), num_blocks=14, block_size=8, max_batch=8, max_queue=64)
+    tiny = Engine(
+        scripted_model("tiny"), EngineConfig(num_blocks=14, block_size=8, max_batch=8, max_queue=64)
+    )
     registry = registry_for({"single": single, "tiny": tiny})
     with serve(registry, ServerConfig(ping_interval=0.2)) as srv:
         yield {"url": srv.url, "single": single, "tiny": tiny, "hook": hook}

@@ -22,7 +22,7 @@ import pytest
 
 from live_server import registry_for, serve
 from mlx_cairn.api import ServerConfig
-from mlx_cairn.engine import Engine
+from mlx_cairn.engine import Engine, EngineConfig
 from mlx_cairn.testing.engine import assert_at_rest
 from scripted_model import say, scripted_model
 
@@ -129,7 +129,9 @@ async def client(
 
 def test_concurrent_mixed_clients_with_disconnects():
     # 40 usable blocks of 8 tokens for 24 clients of ~100-token prompts: preemption and queueing.
-    engine = Engine(scripted_model("m"), num_blocks=41, block_size=8, max_batch=12, max_queue=64)
+    engine = Engine(
+        scripted_model("m"), EngineConfig(num_blocks=41, block_size=8, max_batch=12, max_queue=64)
+    )
     try:
         with serve(registry_for({"m": engine}), ServerConfig(ping_interval=0.5)) as srv:
 

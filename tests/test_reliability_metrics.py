@@ -8,7 +8,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from live_server import registry_for, serve
 from mlx_cairn.api import ServerConfig
-from mlx_cairn.engine import Engine
+from mlx_cairn.engine import Engine, EngineConfig
 from mlx_cairn.testing.engine import assert_at_rest
 from scripted_model import say, scripted_model
 
@@ -31,7 +31,7 @@ def value(text: str, name: str, **labels: str) -> float:
 
 @pytest.fixture(scope="module")
 def server():
-    engine = Engine(scripted_model(), num_blocks=96, block_size=8)
+    engine = Engine(scripted_model(), EngineConfig(num_blocks=96, block_size=8))
     registry = registry_for({"scripted": engine})
     with serve(registry, ServerConfig(api_token=TOKEN)) as srv:
         srv.engine = engine

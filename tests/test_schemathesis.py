@@ -24,7 +24,7 @@ from hypothesis import HealthCheck, settings
 
 from live_server import ANTHROPIC_ERROR_TYPES, registry_for, serve
 from mlx_cairn.api import ModelRegistry, ServerConfig, create_app
-from mlx_cairn.engine import Engine
+from mlx_cairn.engine import Engine, EngineConfig
 from mlx_cairn.engine.embedder import EmbeddingEngine
 from mlx_cairn.models.embedding import load_embedding_model
 from mlx_cairn.testing.embed import save_tiny_embedding
@@ -50,7 +50,9 @@ EMBEDDING_PATHS = ("/v1/embeddings", "/api/embed", "/api/embeddings")
 
 @pytest.fixture(scope="module")
 def live(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
-    engine = Engine(scripted_model("scripted"), num_blocks=256, block_size=16, max_queue=16)
+    engine = Engine(
+        scripted_model("scripted"), EngineConfig(num_blocks=256, block_size=16, max_queue=16)
+    )
     folder = save_tiny_embedding("bert", tmp_path_factory.mktemp("embed") / "bert")
     embed = EmbeddingEngine(load_embedding_model(folder), max_queue=16)
     with serve(registry_for({"scripted": engine, "embed": embed}), CONFIG) as srv:

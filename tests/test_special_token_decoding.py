@@ -21,9 +21,9 @@ from tokenizers import AddedToken
 
 from live_server import registry_for, serve
 from mlx_cairn.chat import Tokenizer
-from mlx_cairn.engine import Engine
+from mlx_cairn.engine import Engine, EngineConfig
 from mlx_cairn.engine.output import SequenceOutput
-from mlx_cairn.engine.sequence import PreparedRequest
+from mlx_cairn.engine.request import PreparedRequest
 from mlx_cairn.testing.engine import assert_at_rest, closing_at_rest
 from mlx_cairn.testing.models import TINY_VOCAB, tiny_tokenizer
 from mlx_cairn.text import decode_skips, parser_tags
@@ -245,7 +245,7 @@ def mistral_engine() -> Iterator[Engine]:
         [AddedToken(t, special=True, normalized=False) for t in [*CASES["mistral"][2], *JUNK]]
     )
     lm.parser_family = "mistral"
-    with closing_at_rest(Engine(lm, num_blocks=512, block_size=8)) as e:
+    with closing_at_rest(Engine(lm, EngineConfig(num_blocks=512, block_size=8))) as e:
         yield e
 
 

@@ -30,7 +30,7 @@ import pytest
 
 from live_server import registry_for, serve
 from mlx_cairn.api import ServerConfig
-from mlx_cairn.engine import Engine
+from mlx_cairn.engine import Engine, EngineConfig
 from mlx_cairn.testing.engine import assert_at_rest
 from scripted_model import say, scripted_model
 
@@ -105,7 +105,7 @@ def env() -> Iterator[dict[str, Any]]:
     slow = SlowPrefill(lm.model)
     lm.model = slow
     # Small steps: a long prompt is many prefill chunks; the first one is held.
-    engine = Engine(lm, num_blocks=512, block_size=16, step_token_budget=64)
+    engine = Engine(lm, EngineConfig(num_blocks=512, block_size=16, step_token_budget=64))
     config = ServerConfig(ping_interval=PING_INTERVAL)
     try:
         with serve(registry_for({"slow": engine}), config) as srv:

@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 
 from _text_helpers import chunked, chunks_of, model_text
 from mlx_cairn.chat import ChatTemplate, detect_parser_family, detect_reasoning
-from mlx_cairn.engine import Engine
+from mlx_cairn.engine import Engine, EngineConfig
 from mlx_cairn.testing.engine import closing_at_rest
 from mlx_cairn.text import (
     FAMILIES,
@@ -332,7 +332,7 @@ WEATHER = Tool(
 @pytest.fixture(scope="module")
 def scripted():
     lm = scripted_model()
-    with closing_at_rest(Engine(lm, num_blocks=512, block_size=8)) as e:
+    with closing_at_rest(Engine(lm, EngineConfig(num_blocks=512, block_size=8))) as e:
         yield lm, e
 
 

@@ -16,7 +16,7 @@ import pytest
 
 from live_server import registry_for, serve
 from mlx_cairn.api import respond as runner
-from mlx_cairn.engine import Engine
+from mlx_cairn.engine import Engine, EngineConfig
 from mlx_cairn.protocol.base import MAX_JSON_DEPTH
 from mlx_cairn.testing.engine import assert_at_rest
 from scripted_model import say, scripted_model
@@ -45,7 +45,7 @@ ROUTES = {
 
 @pytest.fixture(scope="module")
 def env() -> Iterator[tuple[str, Engine]]:
-    engine = Engine(scripted_model("m"), num_blocks=512, block_size=8)
+    engine = Engine(scripted_model("m"), EngineConfig(num_blocks=512, block_size=8))
     try:
         with serve(registry_for({"m": engine})) as srv:
             yield srv.url, engine

@@ -16,7 +16,7 @@ pytest.importorskip("mlx_vlm")
 from PIL import Image as PILImage
 
 from mlx_cairn.backends.cpu import attention as cpu_attention
-from mlx_cairn.engine import Engine
+from mlx_cairn.engine import Engine, EngineConfig
 from mlx_cairn.models import load
 from mlx_cairn.testing.engine import assert_at_rest, greedy_reference
 from mlx_cairn.testing.vision import tiny_vision_folder
@@ -173,7 +173,7 @@ def test_greedy_equals_mlx_vlm_batched(
         ask("And this wide one?", [b, picture(arch, 3, wide=2)], logprobs=True),
         ask("Describe it", [b], logprobs=True),
     ]
-    with Engine(lm, num_blocks=96, block_size=4, step_token_budget=8) as engine:
+    with Engine(lm, EngineConfig(num_blocks=96, block_size=4, step_token_budget=8)) as engine:
         lps: list[list[float]] = []
         got = run(engine, reqs, lps)
         for req, (ids, done, _), lp in zip(reqs, got, lps, strict=True):
@@ -198,7 +198,7 @@ def test_prefix_cache_knows_the_picture(model: tuple[str, Any, Path]) -> None:
     a, b = picture(arch, 3), picture(arch, 4)
     bs = 4
     first = ask("What is this?", [a])
-    with Engine(lm, num_blocks=128, block_size=bs) as engine:
+    with Engine(lm, EngineConfig(num_blocks=128, block_size=bs)) as engine:
         [(ids1, _done1, _)] = run(engine, [first])
         encoded = lm.vision.encoded
         turn2 = ask(
@@ -217,7 +217,7 @@ def test_prefix_cache_knows_the_picture(model: tuple[str, Any, Path]) -> None:
         assert_at_rest(engine)
     # Each picture's answer is the one a fresh engine gives it alone.
     for req, want in ((first, ids1), (other, ids_b)):
-        with Engine(lm, num_blocks=64, block_size=bs) as fresh:
+        with Engine(lm, EngineConfig(num_blocks=64, block_size=bs)) as fresh:
             [(alone, _, _)] = run(fresh, [req])
         assert alone == want
 
@@ -227,7 +227,7 @@ def test_resent_picture_is_not_encoded_again(model: tuple[str, Any, Path]) -> No
     vision features: the tower runs once per picture."""
     arch, lm, _ = model
     pic = picture(arch, 5)
-    with Engine(lm, num_blocks=64, block_size=4) as engine:
+    with Engine(lm, EngineConfig(num_blocks=64, block_size=4)) as engine:
         run(engine, [ask("One", [pic])])
         n = lm.vision.encoded
         moved = ask("Two words", [pic], history=[Message("user", "x"), Message("assistant", "y")])
@@ -263,10 +263,14 @@ def test_disk_tier_knows_the_picture(model: tuple[str, Any, Path], tmp_path: Pat
     a, b = picture(arch, 6), picture(arch, 7)
     first = ask("What is this?", [a])
     disk = tmp_path / "kv"
-    with Engine(lm, num_blocks=96, block_size=4, kv_disk_dir=disk, kv_disk_gb=0.1) as e:
+    with Engine(
+        lm, EngineConfig(num_blocks=96, block_size=4, kv_disk_dir=disk, kv_disk_gb=0.1)
+    ) as e:
         [(want, _, _)] = run(e, [first])
     span = lm.prompt(first).media.spans[0]
-    with Engine(lm, num_blocks=96, block_size=4, kv_disk_dir=disk, kv_disk_gb=0.1) as e:
+    with Engine(
+        lm, EngineConfig(num_blocks=96, block_size=4, kv_disk_dir=disk, kv_disk_gb=0.1)
+    ) as e:
         [(got, done, _)] = run(e, [first])
         assert done.usage.cached_tokens >= span.end, (done.usage.cached_tokens, span.end)
         assert e.stats().disk_hit_blocks > 0
@@ -295,7 +299,7 @@ def test_image_inside_a_tool_result(
     )
     p = lm.prompt(req)
     assert "Here it is:" in p.text and len(p.media.spans) == 1
-    with Engine(lm, num_blocks=64, block_size=4) as e:
+    with Engine(lm, EngineConfig(num_blocks=64, block_size=4)) as e:
         [(ids, done, _)] = run(e, [req])
         assert done.usage.input_tokens == len(p.ids)
         assert_at_rest(e)
@@ -344,12 +348,12 @@ def test_preempted_and_speculated_rows_keep_their_pictures(
     # Room for about one and a half of the four whole sequences.
     need = max(-(-(len(lm.prompt(r).ids) + len(w)) // 4) for r, w in zip(reqs, want, strict=True))
     blocks = need + need // 2 + 1
-    with Engine(lm, num_blocks=blocks, block_size=4, step_token_budget=16) as engine:
+    with Engine(lm, EngineConfig(num_blocks=blocks, block_size=4, step_token_budget=16)) as engine:
         got = run(engine, reqs)
         assert engine.stats().preemptions > 0
         assert_at_rest(engine)
     assert [g[0] for g in got] == want
-    with Engine(lm, num_blocks=96, block_size=4, speculative="ngram") as engine:
+    with Engine(lm, EngineConfig(num_blocks=96, block_size=4, speculative="ngram")) as engine:
         # One at a time: a single stream gets the step's whole draft room. (Whether a
         # row drafts at a step depends on the pipeline's timing: no count is asserted.)
         got = [run(engine, [r])[0] for r in reqs]
@@ -373,10 +377,12 @@ def test_quantized_kv_blocks(tmp_path: Path) -> None:
     lm = load(str(folder))
     reqs = [ask("What is this?", [picture("qwen2_5_vl", 20 + i)], max_tokens=12) for i in range(3)]
     kv = {"kv_bits": 8, "kv_group_size": 32}
-    with Engine(lm, num_blocks=256, block_size=4, **kv) as roomy:
+    with Engine(lm, EngineConfig(num_blocks=256, block_size=4, **kv)) as roomy:
         alone = [run(roomy, [r])[0][0] for r in reqs]
         assert_at_rest(roomy)
-    with Engine(lm, num_blocks=64, block_size=4, step_token_budget=16, **kv) as engine:
+    with Engine(
+        lm, EngineConfig(num_blocks=64, block_size=4, step_token_budget=16, **kv)
+    ) as engine:
         got = [g[0] for g in run(engine, reqs)]
         assert_at_rest(engine)
     assert got == alone

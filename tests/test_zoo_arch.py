@@ -15,7 +15,7 @@ import dataclasses
 import numpy as np
 import pytest
 
-from mlx_cairn.engine import Engine
+from mlx_cairn.engine import Engine, EngineConfig
 from mlx_cairn.testing.engine import closing_at_rest, greedy_base
 from mlx_cairn.testing.models import mlx_lm_greedy, tiny_zoo_model
 from mlx_cairn.testing.tiny_configs import TINY_CONFIGS, WRAPPERS
@@ -64,7 +64,7 @@ def test_batched_paged_greedy_equals_mlx_lm(model_type):
     assert len({t for v in want.values() for t in v}) > 3, want
 
     # A small step budget chunks the prefills (windows cross chunk and block edges).
-    engine = Engine(lm, num_blocks=512, block_size=4, step_token_budget=16)
+    engine = Engine(lm, EngineConfig(num_blocks=512, block_size=4, step_token_budget=16))
     # Decode rows attend over a mirror whatever their length (the default spares short rows).
     engine._pools.mirror_min_positions = 0
     mirrored = []

@@ -17,7 +17,7 @@ import dataclasses
 import numpy as np
 import pytest
 
-from mlx_cairn.engine import Engine
+from mlx_cairn.engine import Engine, EngineConfig
 from mlx_cairn.testing.engine import closing_at_rest, greedy_base
 from mlx_cairn.testing.models import mlx_lm_greedy, tiny_zoo_model
 from mlx_cairn.testing.tiny_configs import HYBRID_CONFIGS
@@ -68,7 +68,10 @@ def test_batched_greedy_equals_mlx_lm(hybrid):
     }
     want = {k: mlx_lm_greedy(inner, v, MAX_TOKENS, eos) for k, v in ps.items()}
     assert len({t for v in want.values() for t in v}) > 3, want
-    engine = Engine(hybrid, num_blocks=128, block_size=4, step_token_budget=16, snapshot_interval=4)
+    engine = Engine(
+        hybrid,
+        EngineConfig(num_blocks=128, block_size=4, step_token_budget=16, snapshot_interval=4),
+    )
     with closing_at_rest(engine):
         base = base_request(engine)
         first = run(engine, base, ps["long"])
@@ -102,12 +105,14 @@ def prefix_hit_equals_cold_and_next_turn_hits(hybrid, **kv) -> None:
     rng = np.random.default_rng(3)
     p = ids(rng, 61)
     suffix = ids(rng, 6)
-    cold_engine = Engine(hybrid, num_blocks=96, block_size=4, step_token_budget=24, **kv)
+    cold_engine = Engine(
+        hybrid, EngineConfig(num_blocks=96, block_size=4, step_token_budget=24, **kv)
+    )
     with closing_at_rest(cold_engine):
         base = base_request(cold_engine)
         cold = run(cold_engine, base, p + suffix)
         assert finish(cold).usage.cached_tokens == 0
-    engine = Engine(hybrid, num_blocks=96, block_size=4, step_token_budget=24, **kv)
+    engine = Engine(hybrid, EngineConfig(num_blocks=96, block_size=4, step_token_budget=24, **kv))
     with closing_at_rest(engine):
         base = base_request(engine)
         first = run(engine, base, p)
@@ -133,7 +138,9 @@ def test_preemption_and_cancel_leave_nothing(hybrid):
     rng = np.random.default_rng(11)
     ps = [ids(rng, n) for n in (23, 29, 17, 31)]
     want = [mlx_lm_greedy(inner, v, MAX_TOKENS, eos) for v in ps]
-    engine = Engine(hybrid, num_blocks=24, block_size=4, step_token_budget=16, max_batch=4)
+    engine = Engine(
+        hybrid, EngineConfig(num_blocks=24, block_size=4, step_token_budget=16, max_batch=4)
+    )
     with closing_at_rest(engine):
         base = base_request(engine)
         doomed = run(engine, base, ids(rng, 19))
@@ -157,7 +164,7 @@ def test_forced_reasoning_close_recomputes_the_state(hybrid):
     free = mlx_lm_greedy(inner, p, budget, eos)
     assert not set(free) & set(close) and len(free) == budget
     rest = mlx_lm_greedy(inner, p + free + close, 6, eos)
-    engine = Engine(hybrid, num_blocks=128, block_size=4, step_token_budget=16)
+    engine = Engine(hybrid, EngineConfig(num_blocks=128, block_size=4, step_token_budget=16))
     with closing_at_rest(engine):
         prep = dataclasses.replace(
             base_request(engine, max_tokens=budget + len(close) + 6),
@@ -183,7 +190,7 @@ def test_a_lost_step_recomputes_the_state(hybrid):
     rng = np.random.default_rng(9)
     a, b = ids(rng, 30), ids(rng, 3)  # b: one chunk (no snapshot point inside)
     want = mlx_lm_greedy(inner, b, MAX_TOKENS, eos)
-    engine = Engine(hybrid, num_blocks=128, block_size=4, step_token_budget=16)
+    engine = Engine(hybrid, EngineConfig(num_blocks=128, block_size=4, step_token_budget=16))
     runner = engine._runner
     real = runner.read
     rid: dict[str, int] = {}
@@ -218,7 +225,7 @@ def test_a_branch_point_becomes_a_snapshot(hybrid):
     prefill stops there for one; the third then restores it."""
     rng = np.random.default_rng(4)
     p = ids(rng, 61)
-    engine = Engine(hybrid, num_blocks=128, block_size=4, step_token_budget=24)
+    engine = Engine(hybrid, EngineConfig(num_blocks=128, block_size=4, step_token_budget=24))
     with closing_at_rest(engine):
         base = base_request(engine)
         a = run(engine, base, p + ids(rng, 7))
@@ -238,11 +245,13 @@ def test_snapshots_go_with_their_blocks(hybrid):
     rng = np.random.default_rng(8)
     engine = Engine(
         hybrid,
-        num_blocks=40,
-        block_size=4,
-        step_token_budget=16,
-        state_snapshots=3,
-        snapshot_interval=2,
+        EngineConfig(
+            num_blocks=40,
+            block_size=4,
+            step_token_budget=16,
+            state_snapshots=3,
+            snapshot_interval=2,
+        ),
     )
     with closing_at_rest(engine):
         base = base_request(engine)
@@ -266,7 +275,7 @@ def test_another_question_after_the_same_history_hits(hybrid):
             sampling=SamplingParams(temperature=0.0),
         )
 
-    engine = Engine(hybrid, num_blocks=256, block_size=4, step_token_budget=32)
+    engine = Engine(hybrid, EngineConfig(num_blocks=256, block_size=4, step_token_budget=32))
     with closing_at_rest(engine):
         finish(engine.submit(chat("What is the capital of France?")))
         prep = engine.prepare(chat("Name a prime number."))
@@ -298,7 +307,7 @@ def test_a_forced_tool_call_under_a_grammar(hybrid):
             "additionalProperties": False,
         },
     )
-    engine = Engine(hybrid, num_blocks=800, block_size=4, step_token_budget=64)
+    engine = Engine(hybrid, EngineConfig(num_blocks=800, block_size=4, step_token_budget=64))
     with closing_at_rest(engine):
         reqs = [
             ChatRequest(

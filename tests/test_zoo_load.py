@@ -8,7 +8,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import pytest
 
-from mlx_cairn.engine import Engine
+from mlx_cairn.engine import Engine, EngineConfig
 from mlx_cairn.errors import ModelLoadError
 from mlx_cairn.models import load
 from mlx_cairn.models.export import save_folder
@@ -26,7 +26,7 @@ def greedy_req(text: str, n: int = 8) -> ChatRequest:
 
 def engine_tokens(lm, texts: list[str], n: int = 8) -> dict[str, list[int]]:
     out = {}
-    with closing_at_rest(Engine(lm, num_blocks=128, block_size=4)) as engine:
+    with closing_at_rest(Engine(lm, EngineConfig(num_blocks=128, block_size=4))) as engine:
         streams = {t: engine.submit(greedy_req(t, n)) for t in texts}
         for t, s in streams.items():
             assert isinstance(list(s.iter_sync(timeout=120))[-1], Done)

@@ -2,7 +2,7 @@
 
 Public entry points::
 
-    from mlx_cairn import Engine                 # the serving engine
+    from mlx_cairn import Engine, EngineConfig   # the serving engine and its options
     from mlx_cairn.text import StopScanner, OutputParser
     from mlx_cairn.kv import BlockPool, PrefixCache
     from mlx_cairn.sse import encode_event, SseDecoder
@@ -19,9 +19,9 @@ _blas.ensure()  # must run before anything imports mlx.core
 __version__ = "0.1.0"
 
 if TYPE_CHECKING:
-    from mlx_cairn.engine import Engine
+    from mlx_cairn.engine import Engine, EngineConfig
 
-__all__ = ["Engine", "__version__"]
+__all__ = ["Engine", "EngineConfig", "__version__"]
 
 
 def __getattr__(name: str) -> Any:
@@ -30,4 +30,8 @@ def __getattr__(name: str) -> Any:
         from mlx_cairn.engine import Engine
 
         return Engine
+    if name == "EngineConfig":
+        from mlx_cairn.engine import EngineConfig
+
+        return EngineConfig
     raise AttributeError(f"module 'mlx_cairn' has no attribute {name!r}")

@@ -460,10 +460,10 @@ def scripted_server(token: str) -> Any:
     sys.path.insert(0, str(TESTS))
     from live_server import registry_for, serve
     from mlx_cairn.api import ServerConfig
-    from mlx_cairn.engine import Engine
+    from mlx_cairn.engine import Engine, EngineConfig
     from scripted_model import scripted_model
 
-    engine = Engine(scripted_model(context_length=131072), num_blocks=12000)
+    engine = Engine(scripted_model(context_length=131072), EngineConfig(num_blocks=12000))
     config = ServerConfig(api_token=token, clamp_max_tokens=True)
     try:
         with serve(registry_for({"scripted": engine}, default_model=""), config) as srv:

@@ -76,7 +76,7 @@ def run(args: argparse.Namespace, out: TextIO | None = None, err: TextIO | None 
     """Run the subcommand; returns the exit status."""
     out = out or sys.stdout
     err = err or sys.stderr
-    from mlx_cairn.engine import Engine
+    from mlx_cairn.engine import Engine, EngineConfig
 
     text = sys.stdin.read() if args.prompt == "-" else args.prompt
     messages = ([Message("system", args.system)] if args.system else []) + [Message("user", text)]
@@ -96,7 +96,7 @@ def run(args: argparse.Namespace, out: TextIO | None = None, err: TextIO | None 
     try:
         lm, load_s = _load_with_progress(args.model, args.dtype, err)
         # One request: a KV pool of one context (or a few hundred MiB, if smaller).
-        engine = Engine(lm, kv_cache_gb=None, max_batch=1)
+        engine = Engine(lm, EngineConfig(kv_cache_gb=None, max_batch=1))
     except CairnError as e:
         print(f"error: {e.message}", file=err)
         return 2

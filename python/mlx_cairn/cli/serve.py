@@ -303,7 +303,7 @@ def build(
             return drafts[0]
 
     def engine_factory(loaded: Any) -> object:
-        from mlx_cairn.engine import Engine
+        from mlx_cairn.engine import Engine, EngineConfig
 
         if getattr(loaded, "kind", None) == "embedding":  # models/embedding.py: no KV pool
             from mlx_cairn.engine.embedder import EmbeddingEngine
@@ -325,9 +325,7 @@ def build(
             extra = {"group": group, "timeout": float(args.rank_timeout)}
         try:
             disk = getattr(args, "kv_disk_dir", None)
-            engine = engine_class(
-                loaded,
-                **extra,
+            config = EngineConfig(
                 kv_cache_gb=args.kv_cache_gb,
                 max_queue=args.max_queue,
                 max_batch=getattr(args, "max_batch", None),
@@ -341,6 +339,7 @@ def build(
                 decode_share=getattr(args, "decode_share", None),
                 kv_events=publisher,
             )
+            engine = engine_class(loaded, config, **extra)
         except ValueError as e:
             from mlx_cairn.engine.paged_quant import KVQuantError
 

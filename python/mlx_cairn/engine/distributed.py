@@ -49,6 +49,7 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 
+from mlx_cairn.engine.config import EngineConfig
 from mlx_cairn.engine.model_runner import ModelRunner, SampledStep, StepOutput
 from mlx_cairn.engine.paged import KVPools, PagedKVCache
 from mlx_cairn.errors import ModelLoadError, ModelUnavailable
@@ -416,11 +417,18 @@ def distributed_engine_class() -> type:
     class DistributedEngine(Engine):
         """An Engine whose steps run on every rank of ``group`` (rank 0 only)."""
 
-        def __init__(self, loaded_model: Any, *, group: Any, timeout: float, **kwargs: Any) -> None:
+        def __init__(
+            self,
+            loaded_model: Any,
+            config: EngineConfig | None = None,
+            *,
+            group: Any,
+            timeout: float,
+        ) -> None:
             self._group = group
             self._timeout = timeout
             self._lost: str | None = None
-            super().__init__(loaded_model, **kwargs)
+            super().__init__(loaded_model, config)
 
         def _make_runner(self, model: Any, pools: KVPools) -> ModelRunner:
             channel = Channel(self._group, self._timeout, self._on_lost)
@@ -464,20 +472,20 @@ def follow(model: Any, group: Any, timeout: float) -> int:
     Returns 0 when rank 0 says stop; exits the process (:data:`EXIT_RANK_LOST`)
     when the group is lost.
     """
-    from mlx_cairn.engine.engine import _layer_specs, _materialize
+    from mlx_cairn.engine.parts import layer_specs, materialize
 
     def lost(message: str) -> None:
         log.error("rank %d: exiting: %s", group.rank(), message)
         os._exit(EXIT_RANK_LOST)
 
     ch = Channel(group, timeout * 2, lost)  # rank 0 heartbeats every timeout / 4
-    _materialize(model)
+    materialize(model)
     op, data = ch.recv()
     if op != INIT:
         lost(f"expected the pool sizes first, got message {op}")
     num_blocks, block_size, num_slots, dtype = (int(x) for x in data[:4])
     pools = KVPools(
-        layers=_layer_specs(model),
+        layers=layer_specs(model),
         num_blocks=num_blocks,
         block_size=block_size,
         dtype=_DTYPES[dtype],

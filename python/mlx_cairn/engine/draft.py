@@ -10,7 +10,7 @@ the drafts of a later one are worse, never its output, which verification
 keeps exact).
 
 Each step with verify rows of draft-model requests runs, before the model's
-forward pass (engine/engine.py)::
+forward pass (engine/core.py)::
 
     catch-up   tokens[c : L] per row, c = the draft's first stale position
                (the prompt at first, then what the last verify accepted)

@@ -17,7 +17,7 @@ from typing import Any
 
 import orjson
 
-from mlx_cairn.engine.sequence import PreparedRequest
+from mlx_cairn.engine.request import PreparedRequest
 from mlx_cairn.text import TextPipeline, decode_skips, tool_schemas
 from mlx_cairn.types import Event, ReasoningDelta, TextDelta, ToolCall
 

@@ -20,7 +20,7 @@ from mlx_cairn.chat.fim import fim_stop_ids, is_fim_prompt
 from mlx_cairn.chat.prompt import build_raw_prompt, template_kwargs
 from mlx_cairn.constrain.request import compile_grammar, constrained
 from mlx_cairn.engine.prompt_bound import vocab_bound
-from mlx_cairn.engine.sequence import PreparedRequest
+from mlx_cairn.engine.request import PreparedRequest
 from mlx_cairn.errors import ContextLengthExceeded, InvalidRequest
 from mlx_cairn.models.loaded import vocab_size
 from mlx_cairn.text import output_family

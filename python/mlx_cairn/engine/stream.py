@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING
 from mlx_cairn.types import Done, Error, Event
 
 if TYPE_CHECKING:
-    from mlx_cairn.engine.sequence import PreparedRequest
+    from mlx_cairn.engine.request import PreparedRequest
 
 
 class RequestStream:

@@ -33,10 +33,10 @@ def greedy_reference_at(lm: Any, prompt_ids: list[int], max_tokens: int, **kv: A
         return greedy_reference(lm, prompt_ids, max_tokens)
     import dataclasses
 
-    from mlx_cairn.engine.engine import Engine
+    from mlx_cairn.engine import Engine, EngineConfig
     from mlx_cairn.types import ChatRequest, Done, Message
 
-    with closing_at_rest(Engine(lm, num_blocks=256, block_size=16, **kv)) as engine:
+    with closing_at_rest(Engine(lm, EngineConfig(num_blocks=256, block_size=16, **kv))) as engine:
         base = engine.prepare(
             ChatRequest(messages=[Message("user", "x")], sampling=SamplingParams(0.0))
         )
@@ -63,7 +63,8 @@ def reference_ids(
 def bare_sequence(rid: int, prompt: list[int], *, salt: str, max_tokens: int) -> Any:
     """A greedy :class:`~mlx_cairn.engine.sequence.Sequence` with no stream, for
     scheduler tests that run without a model (arrival order = ``rid``)."""
-    from mlx_cairn.engine.sequence import PreparedRequest, Sequence
+    from mlx_cairn.engine.request import PreparedRequest
+    from mlx_cairn.engine.sequence import Sequence
     from mlx_cairn.types import ChatRequest, Message
 
     prepared = PreparedRequest(
@@ -158,18 +159,19 @@ def assert_at_rest(engine: Any, timeout: float = 30.0) -> EngineStats:
 
 @contextmanager
 def engines_at_rest(loaded: Any, **defaults: Any) -> Iterator[Callable[..., Any]]:
-    """A factory of engines over ``loaded`` (``defaults`` for keywords not given);
+    """A factory of engines over ``loaded`` taking ``EngineConfig`` options as keywords
+    (``defaults`` for those not given);
     at exit each engine is checked at rest, then closed (a pytest fixture's body)::
 
         with engines_at_rest(lm, num_blocks=256, block_size=4) as make:
             yield make
     """
-    from mlx_cairn.engine.engine import Engine
+    from mlx_cairn.engine import Engine, EngineConfig
 
     engines: list[Any] = []
 
     def make(**kw: Any) -> Any:
-        engine = Engine(loaded, **{**defaults, **kw})
+        engine = Engine(loaded, EngineConfig(**{**defaults, **kw}))
         engines.append(engine)
         return engine
 
