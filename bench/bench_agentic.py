@@ -286,8 +286,8 @@ def hybrid_folder(folder: Path) -> Path:
     if (folder / "config.json").exists():
         return folder
     from mlx_cairn.models.export import save_folder
-    from mlx_cairn.testing.models import tiny_zoo_model
     from mlx_cairn.testing.tiny_configs import tiny_config
+    from mlx_cairn.testing.tiny_models import tiny_zoo_model
 
     text = {
         **tiny_config("qwen3_5")["text_config"],

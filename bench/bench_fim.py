@@ -73,7 +73,7 @@ def build_model(folder: Path, args: argparse.Namespace) -> Any:
     from mlx_cairn.models.loaded import assemble
     from mlx_cairn.models.zoo import ZooModel
     from mlx_cairn.models.zoo import build_model as build_zoo
-    from mlx_cairn.testing.models import random_weights
+    from mlx_cairn.testing.tiny_models import random_weights
 
     hf = HFTokenizer(models.BPE())
     hf.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)

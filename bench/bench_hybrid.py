@@ -40,7 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_zoo_batch import ours, random_model, theirs
 from mlx_cairn.engine import Engine, EngineConfig
 from mlx_cairn.models.loaded import LoadedModel
-from mlx_cairn.testing.engine import greedy_base
+from mlx_cairn.testing.engine_checks import greedy_base
 from mlx_cairn.testing.tiny_configs import VOCAB
 from mlx_cairn.types import Done
 

@@ -34,7 +34,7 @@ from PIL import Image as PILImage
 import mlx_cairn  # noqa: F401  (optimized BLAS first)
 from mlx_cairn.engine import Engine, EngineConfig
 from mlx_cairn.models import load
-from mlx_cairn.testing.vision import tiny_vision_folder
+from mlx_cairn.testing.tiny_vision import tiny_vision_folder
 from mlx_cairn.types import IMAGE_MARK, ChatRequest, Done, Image, Message, SamplingParams
 
 SIDE = 448

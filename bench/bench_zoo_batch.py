@@ -46,8 +46,8 @@ from mlx_cairn.models import load, zoo
 from mlx_cairn.models.gguf import read_gguf
 from mlx_cairn.models.loaded import LoadedModel, assemble
 from mlx_cairn.models.loader import default_model_path
-from mlx_cairn.testing.models import random_weights, tiny_tokenizer
 from mlx_cairn.testing.tiny_configs import tiny_config
+from mlx_cairn.testing.tiny_models import random_weights, tiny_tokenizer
 from mlx_cairn.types import ChatRequest, Done, Message, SamplingParams
 
 GREEDY = SamplingParams(temperature=0.0)

@@ -219,7 +219,7 @@ def tiny_pool(distributed: Any) -> Iterator[None]:
 
 def at_rest(engine: Any) -> str | None:
     """Why rank 0's engine is not at rest (a block or state slot still held), or None."""
-    from mlx_cairn.testing.engine import assert_at_rest
+    from mlx_cairn.testing.engine_checks import assert_at_rest
 
     try:
         assert_at_rest(engine)

@@ -1,6 +1,6 @@
 """Tiny models and tokenizers with fill-in-the-middle tokens, and mlx-lm's own greedy loop.
 
-The tiny tokenizer (:func:`mlx_cairn.testing.models.tiny_tokenizer`) plus the
+The tiny tokenizer (:func:`mlx_cairn.testing.tiny_models.tiny_tokenizer`) plus the
 special tokens of one FIM family, as a code model's tokenizer has them::
 
     tok = fim_tokenizer("qwen")            # <|fim_prefix|>, <|fim_suffix|>, ...
@@ -16,7 +16,7 @@ import mlx.core as mx
 from tokenizers import AddedToken
 
 from mlx_cairn.chat.tokenizer import Tokenizer
-from mlx_cairn.testing.models import tiny_tokenizer, tiny_zoo_model
+from mlx_cairn.testing.tiny_models import tiny_tokenizer, tiny_zoo_model
 
 #: Each family's special tokens, as the real checkpoints' tokenizers name them.
 FAMILY_TOKENS: dict[str, list[str]] = {

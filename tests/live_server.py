@@ -21,7 +21,7 @@ from mlx_cairn.api import ModelRegistry, ServerConfig, create_app
 from mlx_cairn.api.connection import http_protocol
 from mlx_cairn.engine import Engine, EngineConfig
 from mlx_cairn.engine.stats import EngineStats
-from mlx_cairn.testing.engine import assert_at_rest
+from mlx_cairn.testing.engine_checks import assert_at_rest
 from scripted_model import scripted_model
 
 #: The error types the Anthropic API documents.
@@ -95,7 +95,7 @@ def engine_text(folder: Path, prompt: str, max_tokens: int) -> str:
     """The in-process engine's greedy answer for the model saved in ``folder`` (what a
     server on that folder must answer; no speculative decoding)."""
     from mlx_cairn.models import load
-    from mlx_cairn.testing.engine import closing_at_rest
+    from mlx_cairn.testing.engine_checks import closing_at_rest
     from mlx_cairn.types import ChatRequest, Message, SamplingParams
 
     lm = load(str(folder))

@@ -2,7 +2,7 @@
 
 :func:`scripted_model` returns a LoadedModel whose tokenizer and chat template
 (Qwen3 style: hermes tool calls, ``<think>`` reasoning) are the real ones of
-``mlx_cairn.testing.models``; only the network is swapped for
+``mlx_cairn.testing.tiny_models``; only the network is swapped for
 :class:`ScriptedNet`, which implements the ``models/base.py`` Model protocol.
 
 What it says is written in the prompt: the last ``say:<base64>`` directive in the
@@ -31,7 +31,7 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 
-from mlx_cairn.testing.models import tiny_model
+from mlx_cairn.testing.tiny_models import tiny_model
 
 _DIRECTIVE = re.compile(r"say:([A-Za-z0-9+/=]*)")
 

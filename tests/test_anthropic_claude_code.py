@@ -18,7 +18,7 @@ from live_server import registry_for, serve, sse_events
 from mlx_cairn.api import ServerConfig
 from mlx_cairn.engine import Engine, EngineConfig
 from mlx_cairn.protocol.anthropic import TITLE_MAX_TOKENS
-from mlx_cairn.testing.engine import assert_at_rest
+from mlx_cairn.testing.engine_checks import assert_at_rest
 from scripted_model import say, scripted_model
 
 TOKEN = "claude-code-token"

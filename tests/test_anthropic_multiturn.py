@@ -21,7 +21,7 @@ import pytest
 from live_server import registry_for, serve, sse_events
 from mlx_cairn.api import ServerConfig
 from mlx_cairn.engine import Engine, EngineConfig
-from mlx_cairn.testing.engine import assert_at_rest
+from mlx_cairn.testing.engine_checks import assert_at_rest
 from scripted_model import say, scripted_model
 
 BLOCK = 16

@@ -21,7 +21,7 @@ from mlx_cairn.protocol.anthropic import (
     parse_messages_request,
 )
 from mlx_cairn.protocol.anthropic_stream import AnthropicCodec, fold_events
-from mlx_cairn.protocol.base import encode
+from mlx_cairn.protocol.codec import encode
 from mlx_cairn.types import (
     Admitted,
     Done,

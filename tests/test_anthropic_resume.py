@@ -30,7 +30,7 @@ from live_server import registry_for, serve
 from mlx_cairn.api import ServerConfig
 from mlx_cairn.engine import Engine, EngineConfig
 from mlx_cairn.protocol.anthropic import parse_count_tokens_request, parse_messages_request
-from mlx_cairn.testing.engine import assert_at_rest
+from mlx_cairn.testing.engine_checks import assert_at_rest
 from scripted_model import scripted_model
 
 BLOCK = 16

@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 
 from live_server import registry_for, serve
 from mlx_cairn.engine import Engine, EngineConfig
-from mlx_cairn.testing.engine import assert_at_rest
+from mlx_cairn.testing.engine_checks import assert_at_rest
 from scripted_model import say, scripted_model
 
 WEATHER = {

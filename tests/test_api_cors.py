@@ -25,7 +25,7 @@ from mlx_cairn.api import ServerConfig, create_app
 from mlx_cairn.api.app import CORS_ALLOW_HEADERS
 from mlx_cairn.cli.serve import add_arguments, build
 from mlx_cairn.engine import Engine, EngineConfig
-from mlx_cairn.testing.engine import assert_at_rest
+from mlx_cairn.testing.engine_checks import assert_at_rest
 from scripted_model import say, scripted_model
 
 TOKEN = "cors-token-0123456789"

@@ -11,8 +11,8 @@ import pytest
 from mlx_cairn.api.respond import prepare_generation
 from mlx_cairn.engine import Engine
 from mlx_cairn.errors import ContextLengthExceeded
-from mlx_cairn.testing.engine import closing_at_rest
-from mlx_cairn.testing.models import tiny_model
+from mlx_cairn.testing.engine_checks import closing_at_rest
+from mlx_cairn.testing.tiny_models import tiny_model
 from mlx_cairn.types import ChatRequest, Message, SamplingParams
 
 ASKED = 10**9

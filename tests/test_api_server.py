@@ -21,7 +21,7 @@ import pytest
 from live_server import scripted_server, settle_cancel, sse_events, tight_queue_full
 from mlx_cairn.api import ModelRegistry, ServerConfig, create_app
 from mlx_cairn.cli.serve import ServeError, add_arguments, build
-from mlx_cairn.testing.engine import assert_at_rest
+from mlx_cairn.testing.engine_checks import assert_at_rest
 from scripted_model import say
 
 TOKEN = "s3cret-token"

@@ -30,8 +30,8 @@ from mlx_cairn.chat.builtin_templates import CHATML, QWEN3
 from mlx_cairn.engine import Engine, EngineConfig
 from mlx_cairn.protocol.anthropic import parse_messages_request
 from mlx_cairn.protocol.openai_chat import parse_chat_request
-from mlx_cairn.testing.engine import assert_at_rest
-from mlx_cairn.testing.models import tiny_tokenizer
+from mlx_cairn.testing.engine_checks import assert_at_rest
+from mlx_cairn.testing.tiny_models import tiny_tokenizer
 from mlx_cairn.types import ChatRequest, Message, Tool, ToolCall
 from scripted_model import say, scripted_model
 

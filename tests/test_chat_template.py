@@ -9,7 +9,7 @@ import pytest
 from mlx_cairn.chat import ChatTemplate, build_prompt, detect_parser_family, detect_reasoning
 from mlx_cairn.chat.builtin_templates import CHATML, QWEN3
 from mlx_cairn.errors import InvalidRequest, ModelLoadError
-from mlx_cairn.testing.models import tiny_model
+from mlx_cairn.testing.tiny_models import tiny_model
 from mlx_cairn.types import ChatRequest, Message, Tool, ToolCall
 
 WEATHER = Tool(

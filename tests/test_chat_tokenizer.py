@@ -5,7 +5,7 @@ from __future__ import annotations
 from hypothesis import given
 from hypothesis import strategies as st
 
-from mlx_cairn.testing.models import tiny_tokenizer
+from mlx_cairn.testing.tiny_models import tiny_tokenizer
 
 TOK = tiny_tokenizer()
 

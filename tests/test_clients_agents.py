@@ -23,7 +23,7 @@ from pydantic import BaseModel, Field
 
 from live_server import registry_for, serve
 from mlx_cairn.engine import Engine, EngineConfig
-from mlx_cairn.testing.engine import assert_at_rest
+from mlx_cairn.testing.engine_checks import assert_at_rest
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 

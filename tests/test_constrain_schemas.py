@@ -8,9 +8,9 @@ from hypothesis import strategies as st
 
 from mlx_cairn import constrain
 from mlx_cairn.constrain import GrammarMask
-from mlx_cairn.constrain.request import compile_grammar
+from mlx_cairn.constrain.compile import compile_grammar
 from mlx_cairn.errors import InvalidRequest
-from mlx_cairn.testing.models import tiny_model
+from mlx_cairn.testing.tiny_models import tiny_model
 from mlx_cairn.types import ChatRequest, Message, OutputFormat
 
 KEYS = [

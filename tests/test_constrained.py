@@ -11,7 +11,7 @@ import pytest
 
 from mlx_cairn.engine import Engine, EngineConfig
 from mlx_cairn.errors import InvalidRequest
-from mlx_cairn.testing.engine import assert_at_rest
+from mlx_cairn.testing.engine_checks import assert_at_rest
 from mlx_cairn.types import (
     ChatRequest,
     Done,

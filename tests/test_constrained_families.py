@@ -14,9 +14,9 @@ from tokenizers import AddedToken
 
 from mlx_cairn import constrain
 from mlx_cairn._core import GrammarVocabulary
-from mlx_cairn.constrain.request import compile_grammar
+from mlx_cairn.constrain.compile import compile_grammar
 from mlx_cairn.errors import InvalidRequest
-from mlx_cairn.testing.models import tiny_model, tiny_tokenizer
+from mlx_cairn.testing.tiny_models import tiny_model, tiny_tokenizer
 from mlx_cairn.text import keeps_special_tokens, parse_output, tool_schemas
 from mlx_cairn.types import ChatRequest, Message, Tool
 

@@ -48,7 +48,7 @@ from mlx_cairn.engine.distributed import (
     startup_problems,
 )
 from mlx_cairn.models.export import save_folder
-from mlx_cairn.testing.models import tiny_zoo_model
+from mlx_cairn.testing.tiny_models import tiny_zoo_model
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 

@@ -37,9 +37,9 @@ from mlx_cairn.protocol.embeddings import (
     parse_ollama_embeddings,
     parse_openai,
 )
-from mlx_cairn.testing.embed import save_tiny_embedding
-from mlx_cairn.testing.engine import assert_at_rest, wait_idle
-from mlx_cairn.testing.models import tiny_zoo_model
+from mlx_cairn.testing.engine_checks import assert_at_rest, wait_idle
+from mlx_cairn.testing.tiny_embed import save_tiny_embedding
+from mlx_cairn.testing.tiny_models import tiny_zoo_model
 
 pytestmark = pytest.mark.timeout(300)
 

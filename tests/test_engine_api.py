@@ -12,8 +12,8 @@ from mlx_cairn.engine import Engine, EngineConfig, paged
 from mlx_cairn.engine.config import DEFAULT_MAX_BATCH
 from mlx_cairn.engine.stats import EngineStats
 from mlx_cairn.errors import ContextLengthExceeded, EngineError, InvalidRequest
-from mlx_cairn.testing.engine import assert_at_rest, closing_at_rest, greedy_reference
-from mlx_cairn.testing.models import tiny_model
+from mlx_cairn.testing.engine_checks import assert_at_rest, closing_at_rest, greedy_reference
+from mlx_cairn.testing.tiny_models import tiny_model
 from mlx_cairn.types import Admitted, ChatRequest, Done, Error, Message, SamplingParams, TextDelta
 
 TIMEOUT = 60.0

@@ -10,12 +10,12 @@ import pytest
 
 from mlx_cairn.engine import Engine
 from mlx_cairn.errors import QueueFull
-from mlx_cairn.testing.engine import (
+from mlx_cairn.testing.engine_checks import (
     engines_at_rest,
     greedy_reference,
     reference_ids,
 )
-from mlx_cairn.testing.models import tiny_model
+from mlx_cairn.testing.tiny_models import tiny_model
 from mlx_cairn.types import ChatRequest, Done, Error, Message, SamplingParams, TextDelta
 
 TIMEOUT = 60.0

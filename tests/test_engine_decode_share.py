@@ -7,7 +7,7 @@ import pytest
 
 from mlx_cairn.engine.scheduler import MAX_DECODE_OWED_S, Scheduler
 from mlx_cairn.kv import BlockPool, PrefixCache
-from mlx_cairn.testing.engine import bare_sequence
+from mlx_cairn.testing.engine_checks import bare_sequence
 
 BS = 16
 BUDGET = 64
@@ -114,8 +114,8 @@ def test_engine_holds_prefill_for_a_decoding_stream_and_answers_stay_greedy(shar
     import dataclasses
 
     from mlx_cairn.engine import Engine, EngineConfig
-    from mlx_cairn.testing.engine import closing_at_rest, greedy_reference
-    from mlx_cairn.testing.models import tiny_model
+    from mlx_cairn.testing.engine_checks import closing_at_rest, greedy_reference
+    from mlx_cairn.testing.tiny_models import tiny_model
     from mlx_cairn.types import ChatRequest, Done, Message, SamplingParams
 
     lm = tiny_model("llama", seed=9)
@@ -146,7 +146,7 @@ def test_engine_holds_prefill_for_a_decoding_stream_and_answers_stay_greedy(shar
 @pytest.mark.parametrize("bad", [-0.1, 0.95, float("nan"), "0.5"])
 def test_engine_refuses_a_share_out_of_range(bad):
     from mlx_cairn.engine import Engine, EngineConfig
-    from mlx_cairn.testing.models import tiny_model
+    from mlx_cairn.testing.tiny_models import tiny_model
 
     with pytest.raises(ValueError, match="decode_share"):
         Engine(tiny_model("llama", seed=9), EngineConfig(num_blocks=16, decode_share=bad))

@@ -17,8 +17,8 @@ import pytest
 
 from mlx_cairn.engine import Engine, EngineConfig
 from mlx_cairn.engine.disk import SUFFIX
-from mlx_cairn.testing.engine import closing_at_rest, generate_from_ids, greedy_base
-from mlx_cairn.testing.models import tiny_model
+from mlx_cairn.testing.engine_checks import closing_at_rest, generate_from_ids, greedy_base
+from mlx_cairn.testing.tiny_models import tiny_model
 from mlx_cairn.types import Done
 
 TIMEOUT = 60.0
@@ -155,7 +155,7 @@ def test_the_budget_holds(lm, tmp_path):
 def test_a_hybrid_restart_restores_its_state_snapshot_from_disk(tmp_path):
     """Hybrids keep their state snapshots in the same tier: after a restart the
     prefix hits (KV blocks and the state after them) and equals mlx-lm cold."""
-    from mlx_cairn.testing.models import mlx_lm_greedy, tiny_zoo_model
+    from mlx_cairn.testing.tiny_models import mlx_lm_greedy, tiny_zoo_model
 
     hybrid = tiny_zoo_model("qwen3_5", seed=1)
     rng = np.random.default_rng(6)
@@ -173,7 +173,7 @@ def test_a_hybrid_restart_restores_its_state_snapshot_from_disk(tmp_path):
 
 
 def test_a_hybrid_pool_smaller_than_its_working_set_hits_from_disk(tmp_path):
-    from mlx_cairn.testing.models import tiny_zoo_model
+    from mlx_cairn.testing.tiny_models import tiny_zoo_model
 
     hybrid = tiny_zoo_model("qwen3_5", seed=1)
     rng = np.random.default_rng(7)

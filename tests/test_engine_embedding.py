@@ -21,7 +21,7 @@ from mlx_cairn.engine.embedder import EmbeddingEngine
 from mlx_cairn.errors import InvalidRequest, ModelLoadError, QueueFull
 from mlx_cairn.models import load
 from mlx_cairn.models.embedding import EmbeddingModel, load_embedding_model
-from mlx_cairn.testing.embed import save_tiny_embedding
+from mlx_cairn.testing.tiny_embed import save_tiny_embedding
 from mlx_cairn.types import ChatRequest, Message
 
 pytestmark = pytest.mark.timeout(300)

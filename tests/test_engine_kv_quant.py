@@ -12,8 +12,8 @@ from mlx_lm.models.cache import KVCache, QuantizedKVCache, make_prompt_cache
 
 from mlx_cairn.backends.cpu import attention as cpu_attention
 from mlx_cairn.engine import Engine, EngineConfig
-from mlx_cairn.testing.engine import closing_at_rest, greedy_base
-from mlx_cairn.testing.models import tiny_zoo_model
+from mlx_cairn.testing.engine_checks import closing_at_rest, greedy_base
+from mlx_cairn.testing.tiny_models import tiny_zoo_model
 from mlx_cairn.types import Done
 
 TIMEOUT = 60.0
@@ -175,7 +175,7 @@ def test_serve_refuses_bad_kv_settings():
 def test_own_architecture_and_speculative_verification_on_quantized_blocks():
     # models/llama.py (the embedded default's code) takes the packed triples
     # through cpu_attention.attention; n-gram speculation verifies over them.
-    from mlx_cairn.testing.models import tiny_model
+    from mlx_cairn.testing.tiny_models import tiny_model
 
     own = tiny_model("qwen3", seed=4)  # head_dim 32
     prompt = [(3 * i) % 20 + 5 for i in range(40)]  # repetitive: drafts get proposed

@@ -24,8 +24,8 @@ import pytest
 
 from mlx_cairn.engine import Engine, EngineConfig
 from mlx_cairn.engine import model_runner as runner_mod
-from mlx_cairn.testing.engine import engines_at_rest, greedy_reference
-from mlx_cairn.testing.models import tiny_model
+from mlx_cairn.testing.engine_checks import engines_at_rest, greedy_reference
+from mlx_cairn.testing.tiny_models import tiny_model
 from mlx_cairn.types import ChatRequest, Done, Message, SamplingParams
 
 TIMEOUT = 60.0

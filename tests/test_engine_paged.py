@@ -8,7 +8,7 @@ import pytest
 
 from mlx_cairn.engine.paged import KVPools, PagedKVCache
 from mlx_cairn.models.cache import ContiguousKVCache
-from mlx_cairn.testing.models import tiny_model
+from mlx_cairn.testing.tiny_models import tiny_model
 
 
 @pytest.fixture(scope="module", params=["llama", "qwen3"])

@@ -10,8 +10,8 @@ from mlx_cairn.engine import Engine, EngineConfig
 from mlx_cairn.engine.scheduler import Scheduler
 from mlx_cairn.engine.sequence import Sequence
 from mlx_cairn.kv import BlockPool, PrefixCache
-from mlx_cairn.testing.engine import bare_sequence, closing_at_rest, greedy_reference
-from mlx_cairn.testing.models import tiny_model
+from mlx_cairn.testing.engine_checks import bare_sequence, closing_at_rest, greedy_reference
+from mlx_cairn.testing.tiny_models import tiny_model
 from mlx_cairn.types import ChatRequest, Done, Message, SamplingParams
 
 TIMEOUT = 60.0

@@ -10,8 +10,8 @@ from mlx_cairn.engine import Engine, EngineConfig
 from mlx_cairn.engine.reference import prefill
 from mlx_cairn.errors import InvalidRequest
 from mlx_cairn.models.cache import ContiguousKVCache
-from mlx_cairn.testing.engine import assert_at_rest, reference_ids
-from mlx_cairn.testing.models import tiny_model
+from mlx_cairn.testing.engine_checks import assert_at_rest, reference_ids
+from mlx_cairn.testing.tiny_models import tiny_model
 from mlx_cairn.types import ChatRequest, Done, Message, SamplingParams, TokenLogprob
 
 TIMEOUT = 60.0

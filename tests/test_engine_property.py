@@ -11,8 +11,8 @@ from hypothesis import strategies as st
 
 from mlx_cairn.engine import Engine, EngineConfig
 from mlx_cairn.errors import ContextLengthExceeded, QueueFull
-from mlx_cairn.testing.engine import assert_at_rest, greedy_reference
-from mlx_cairn.testing.models import tiny_model, tiny_zoo_model
+from mlx_cairn.testing.engine_checks import assert_at_rest, greedy_reference
+from mlx_cairn.testing.tiny_models import tiny_model, tiny_zoo_model
 from mlx_cairn.types import ChatRequest, Done, Error, Message, SamplingParams
 
 #: Seconds a stream may stay silent before the test calls it a hang.

@@ -9,7 +9,7 @@ import pytest
 from mlx_cairn.engine import Engine, EngineConfig
 from mlx_cairn.engine.reasoning import ReasoningBudget
 from mlx_cairn.protocol.anthropic import EFFORT_REASONING, parse_messages_request
-from mlx_cairn.testing.engine import closing_at_rest
+from mlx_cairn.testing.engine_checks import closing_at_rest
 from mlx_cairn.types import (
     Admitted,
     ChatRequest,

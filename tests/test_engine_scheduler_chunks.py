@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from mlx_cairn.engine.scheduler import TAIL_FRACTION, Scheduler
 from mlx_cairn.kv import BlockPool, PrefixCache
-from mlx_cairn.testing.engine import bare_sequence
+from mlx_cairn.testing.engine_checks import bare_sequence
 
 BS = 16
 BUDGET = 64

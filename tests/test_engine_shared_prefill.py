@@ -12,9 +12,14 @@ from mlx_cairn.engine.request import PreparedRequest
 from mlx_cairn.engine.scheduler import Scheduler
 from mlx_cairn.engine.sequence import Sequence
 from mlx_cairn.kv import BlockPool, PrefixCache
-from mlx_cairn.testing.engine import bare_sequence, closing_at_rest, greedy_base, greedy_reference
-from mlx_cairn.testing.models import mlx_lm_greedy, tiny_model, tiny_zoo_model
+from mlx_cairn.testing.engine_checks import (
+    bare_sequence,
+    closing_at_rest,
+    greedy_base,
+    greedy_reference,
+)
 from mlx_cairn.testing.tiny_configs import HYBRID_CONFIGS
+from mlx_cairn.testing.tiny_models import mlx_lm_greedy, tiny_model, tiny_zoo_model
 from mlx_cairn.types import Done, Error
 
 TIMEOUT = 120.0

@@ -11,8 +11,8 @@ import pytest
 
 from mlx_cairn.engine import Engine, EngineConfig
 from mlx_cairn.engine.speculate import NgramProposer, RowSpec, VerifyRow, verify
-from mlx_cairn.testing.engine import assert_at_rest, greedy_reference, greedy_reference_at
-from mlx_cairn.testing.models import tiny_model
+from mlx_cairn.testing.engine_checks import assert_at_rest, greedy_reference, greedy_reference_at
+from mlx_cairn.testing.tiny_models import tiny_model
 from mlx_cairn.types import Admitted, ChatRequest, Done, Error, Message, SamplingParams
 
 TIMEOUT = 60.0

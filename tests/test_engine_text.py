@@ -7,7 +7,7 @@ import json
 import pytest
 
 from mlx_cairn.engine import Engine, EngineConfig
-from mlx_cairn.testing.engine import closing_at_rest
+from mlx_cairn.testing.engine_checks import closing_at_rest
 from mlx_cairn.types import (
     ChatRequest,
     Done,

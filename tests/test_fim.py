@@ -15,7 +15,7 @@ import pytest
 from fim_fixtures import FAMILY_BOS, fim_model, fim_tokenizer, mlx_lm_generate
 from mlx_cairn.chat.fim import fim_family, fim_prompt, fim_stop_ids
 from mlx_cairn.errors import InvalidRequest
-from mlx_cairn.testing.engine import engines_at_rest
+from mlx_cairn.testing.engine_checks import engines_at_rest
 from mlx_cairn.types import ChatRequest, Done, Message, RawPrompt, SamplingParams, TextDelta
 
 PREFIX = "def add(x, y):\n    "

@@ -29,7 +29,7 @@ from hypothesis import strategies as st
 
 from mlx_cairn.engine.prepare import prepare
 from mlx_cairn.errors import InvalidRequest
-from mlx_cairn.testing.models import tiny_model
+from mlx_cairn.testing.tiny_models import tiny_model
 from mlx_cairn.types import ChatRequest, Message
 
 LIMIT = 4096

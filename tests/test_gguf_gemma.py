@@ -18,7 +18,7 @@ import pytest
 
 from mlx_cairn.models.gguf import dequantize, raw_blocks, read_gguf
 from mlx_cairn.models.gguf_check import read_header
-from mlx_cairn.testing.engine import greedy_base
+from mlx_cairn.testing.engine_checks import greedy_base
 from mlx_cairn.types import ChatRequest, Done, Message
 from spm_reference import spm_encode_gguf
 
@@ -161,8 +161,8 @@ def test_engine_greedy_equals_mlx_lm_gemma3_text(gemma, gemma_lm):
     pytest.importorskip("mlx_lm", reason="mlx-lm provides the reference gemma3_text model")
     from mlx_cairn.engine import Engine, EngineConfig
     from mlx_cairn.models import zoo
-    from mlx_cairn.testing.engine import closing_at_rest
-    from mlx_cairn.testing.models import mlx_lm_greedy
+    from mlx_cairn.testing.engine_checks import closing_at_rest
+    from mlx_cairn.testing.tiny_models import mlx_lm_greedy
 
     lm = gemma_lm
     ref = zoo.build_model(gemma.config, dict(gemma.weights))

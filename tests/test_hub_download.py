@@ -28,7 +28,7 @@ from mlx_cairn.api import ModelRegistry, ServerConfig
 from mlx_cairn.errors import ModelLoadError
 from mlx_cairn.models import hub
 from mlx_cairn.models.export import save_folder
-from mlx_cairn.testing.models import tiny_model
+from mlx_cairn.testing.tiny_models import tiny_model
 
 pytestmark = pytest.mark.timeout(180)
 

@@ -48,8 +48,8 @@ from mlx_cairn.protocol.ollama import parse_chat_request as ollama_chat
 from mlx_cairn.protocol.ollama import parse_generate_request as ollama_generate
 from mlx_cairn.protocol.openai_chat import parse_chat_request
 from mlx_cairn.protocol.openai_responses import parse_responses_request
-from mlx_cairn.testing.engine import assert_at_rest
-from mlx_cairn.testing.models import tiny_model
+from mlx_cairn.testing.engine_checks import assert_at_rest
+from mlx_cairn.testing.tiny_models import tiny_model
 from mlx_cairn.types import IMAGE_MARK, Image, Message
 
 # ------------------------------------------------------------------ pictures
@@ -686,7 +686,7 @@ def test_image_urls_are_fetched_only_when_allowed(live: dict[str, Any]) -> None:
 def vision(tmp_path_factory: Any) -> Iterator[dict[str, Any]]:
     pytest.importorskip("mlx_vlm")
     from mlx_cairn.models import load
-    from mlx_cairn.testing.vision import tiny_vision_folder
+    from mlx_cairn.testing.tiny_vision import tiny_vision_folder
 
     lm = load(str(tiny_vision_folder("gemma3", tmp_path_factory.mktemp("gemma3"))))
     engine = Engine(lm, EngineConfig(num_blocks=256, block_size=4))

@@ -21,7 +21,7 @@ from mlx_cairn.api import ServerConfig
 from mlx_cairn.chat.fim import fim_stop_ids
 from mlx_cairn.engine import Engine, EngineConfig
 from mlx_cairn.protocol.llama_infill import fold_chunks
-from mlx_cairn.testing.engine import assert_at_rest
+from mlx_cairn.testing.engine_checks import assert_at_rest
 
 PREFIX = "def add(x, y):\n"
 LINE = "    return"

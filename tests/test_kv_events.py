@@ -25,8 +25,8 @@ from mlx_cairn.engine import Engine, EngineConfig
 from mlx_cairn.engine.disk import stable_seed
 from mlx_cairn.engine.kv_events import KVEventPublisher, KVEventsError, check_endpoint
 from mlx_cairn.kv import BlockPool, PrefixCache
-from mlx_cairn.testing.engine import generate_from_ids, wait_idle
-from mlx_cairn.testing.models import tiny_model
+from mlx_cairn.testing.engine_checks import generate_from_ids, wait_idle
+from mlx_cairn.testing.tiny_models import tiny_model
 from mlx_cairn.types import ChatRequest, Message, SamplingParams
 
 TIMEOUT = 60.0
@@ -265,7 +265,7 @@ def test_across_ranks_rank_zero_publishes(tmp_path):
     from live_server import free_port, wait_healthy
     from mlx_cairn.models import load
     from mlx_cairn.models.export import save_folder
-    from mlx_cairn.testing.models import tiny_zoo_model
+    from mlx_cairn.testing.tiny_models import tiny_zoo_model
 
     loaded = tiny_zoo_model("llama", seed=5)
     folder = save_folder(loaded, tmp_path / "tiny-llama")

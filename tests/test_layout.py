@@ -204,15 +204,15 @@ def test_the_checks_see_a_cycle_an_upward_import_and_a_testing_import(tmp_path: 
                 "if TYPE_CHECKING:\n    from mlx_cairn.engine.a import Y\n"
             ),
             "chat/__init__.py": "",
-            "chat/c.py": "from mlx_cairn.testing.models import tiny\n",
+            "chat/c.py": "from mlx_cairn.testing.tiny_models import tiny\n",
             "testing/__init__.py": "",
-            "testing/models.py": "from mlx_cairn.engine import a\n",
+            "testing/tiny_models.py": "from mlx_cairn.engine import a\n",
         },
     )
     edges = graph(package)
     assert cycles(edges) == [["mlx_cairn.engine.a", "mlx_cairn.engine.b"]]
     assert violations(edges) == [
-        "mlx_cairn.chat.c -> mlx_cairn.testing.models",
+        "mlx_cairn.chat.c -> mlx_cairn.testing.tiny_models",
         "mlx_cairn.models.m -> mlx_cairn.engine.a",
     ]
 

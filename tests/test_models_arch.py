@@ -10,7 +10,7 @@ import pytest
 
 from mlx_cairn.errors import ModelLoadError
 from mlx_cairn.models import ContiguousKVCache, ModelArgs
-from mlx_cairn.testing.models import tiny_model
+from mlx_cairn.testing.tiny_models import tiny_model
 
 ARCHS = ["llama", "qwen2", "qwen3"]
 

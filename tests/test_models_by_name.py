@@ -17,8 +17,8 @@ from mlx_cairn.api.registry import ModelRegistry, names_for_source, scan_models_
 from mlx_cairn.errors import ModelLoadError, ModelUnavailable, error_kind
 from mlx_cairn.models import hub
 from mlx_cairn.models.export import save_folder
-from mlx_cairn.testing.engine import assert_at_rest
-from mlx_cairn.testing.models import tiny_model
+from mlx_cairn.testing.engine_checks import assert_at_rest
+from mlx_cairn.testing.tiny_models import tiny_model
 from mlx_cairn.types import ChatRequest, Error, Message, SamplingParams, TextDelta
 
 pytestmark = pytest.mark.timeout(300)

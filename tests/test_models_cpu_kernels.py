@@ -12,7 +12,7 @@ import pytest
 
 from mlx_cairn.backends.cpu import attention as cpu_attention
 from mlx_cairn.backends.cpu import kernels as cpu_kernels
-from mlx_cairn.testing.models import tiny_zoo_model
+from mlx_cairn.testing.tiny_models import tiny_zoo_model
 
 EDGES = [0.0, -0.0, 1e-30, -1e-30, 1e30, -1e30, 88.0, -88.0, 104.0, -104.0, np.inf, -np.inf]
 

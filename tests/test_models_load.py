@@ -14,7 +14,7 @@ from mlx_cairn.errors import ModelLoadError, ModelNotFound
 from mlx_cairn.models import ContiguousKVCache, load
 from mlx_cairn.models.export import save_folder
 from mlx_cairn.models.llama import RoPE
-from mlx_cairn.testing.models import tiny_model
+from mlx_cairn.testing.tiny_models import tiny_model
 from models_fixtures import write_tiny_gguf
 
 IDS = [1, 40, 7, 99, 250, 3, 17]

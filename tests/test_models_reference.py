@@ -11,7 +11,7 @@ from mlx_cairn.engine import reference
 from mlx_cairn.engine.reference import GenerationStats, generate_ids, generate_tokens
 from mlx_cairn.models import ContiguousKVCache
 from mlx_cairn.models.export import save_folder
-from mlx_cairn.testing.models import tiny_model
+from mlx_cairn.testing.tiny_models import tiny_model
 from mlx_cairn.types import ChatRequest, Message, SamplingParams
 
 GREEDY = SamplingParams(temperature=0.0)

@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 from dialect_parsers import LIMIT, anthropic_request, chat_request, responses_request
 from mlx_cairn.engine import Engine, EngineConfig
 from mlx_cairn.errors import InvalidRequest
-from mlx_cairn.testing.engine import closing_at_rest
+from mlx_cairn.testing.engine_checks import closing_at_rest
 from mlx_cairn.types import (
     GREEDY_BELOW_TEMPERATURE,
     MAX_SEED,

@@ -23,7 +23,7 @@ from ollama import ChatResponse, GenerateResponse
 
 from codec_strategies import run, stop_reasons, texts, tool_calls, usages
 from mlx_cairn.errors import InvalidRequest
-from mlx_cairn.protocol.base import NDJSON
+from mlx_cairn.protocol.codec import NDJSON
 from mlx_cairn.protocol.ollama import (
     keep_alive,
     load_request,

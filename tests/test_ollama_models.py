@@ -22,8 +22,8 @@ from live_server import registry_for, serve, wait_until
 from mlx_cairn.api import ModelRegistry
 from mlx_cairn.chat.fim import fim_prompt, fim_stop_ids
 from mlx_cairn.engine import Engine, EngineConfig
-from mlx_cairn.testing.engine import assert_at_rest
-from mlx_cairn.testing.models import tiny_model
+from mlx_cairn.testing.engine_checks import assert_at_rest
+from mlx_cairn.testing.tiny_models import tiny_model
 
 PREFIX = "def add(a, b):\n    "
 SUFFIX = "\n\nprint(add(1, 2))\n"

@@ -15,7 +15,7 @@ import httpx
 import openai
 import pytest
 
-from mlx_cairn.testing.engine import assert_at_rest
+from mlx_cairn.testing.engine_checks import assert_at_rest
 from scripted_model import say
 from test_openai_support import BEARER, TOKEN, WEATHER, call, normalize, openai_env, sse_data, user
 

@@ -20,7 +20,7 @@ import openai
 import pytest
 
 from live_server import settle_cancel, tight_queue_full
-from mlx_cairn.testing.engine import assert_at_rest
+from mlx_cairn.testing.engine_checks import assert_at_rest
 from scripted_model import say
 from test_openai_support import BEARER, openai_env, sse_data, user
 

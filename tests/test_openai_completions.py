@@ -22,7 +22,7 @@ from live_server import registry_for, serve, wait_until
 from mlx_cairn.api import ServerConfig
 from mlx_cairn.chat.fim import fim_stop_ids
 from mlx_cairn.engine import Engine, EngineConfig
-from mlx_cairn.testing.engine import assert_at_rest
+from mlx_cairn.testing.engine_checks import assert_at_rest
 
 PREFIX = "def add(x, y):\n    "
 SUFFIX = "\n\nprint(add(1, 2))\n"

@@ -28,7 +28,7 @@ from openai.types import Completion
 
 import codec_strategies as strategies
 from mlx_cairn.protocol.openai_completions import ChoiceEvent, CompletionCodec
-from mlx_cairn.testing.engine import assert_at_rest
+from mlx_cairn.testing.engine_checks import assert_at_rest
 from mlx_cairn.types import (
     Done,
     Event,

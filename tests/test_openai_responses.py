@@ -16,7 +16,7 @@ import openai
 import pytest
 
 from mlx_cairn.api.openai_responses import ResponseStore
-from mlx_cairn.testing.engine import assert_at_rest
+from mlx_cairn.testing.engine_checks import assert_at_rest
 from scripted_model import say
 from test_openai_support import BEARER, call, normalize, openai_env, sse_data
 

@@ -16,7 +16,7 @@ from tokenizers import Tokenizer as HFTokenizer
 
 from mlx_cairn.chat.tokenizer import Tokenizer
 from mlx_cairn.engine.prompt_bound import Measures, vocab_bound
-from mlx_cairn.testing.models import tiny_tokenizer
+from mlx_cairn.testing.tiny_models import tiny_tokenizer
 
 _PIECES = [
     "hello",

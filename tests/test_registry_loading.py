@@ -22,7 +22,7 @@ from live_server import serve, wait_until
 from mlx_cairn.api import ModelRegistry, ServerConfig
 from mlx_cairn.engine import Engine, EngineConfig
 from mlx_cairn.errors import ModelLoadError
-from mlx_cairn.testing.engine import assert_at_rest
+from mlx_cairn.testing.engine_checks import assert_at_rest
 from scripted_model import say, scripted_model
 
 pytestmark = pytest.mark.timeout(120)

@@ -23,7 +23,7 @@ from live_server import Blocker, read_all, registry_for, serve, settle_cancel, w
 from mlx_cairn.api import ServerConfig
 from mlx_cairn.api.connection import CairnH11Protocol
 from mlx_cairn.engine import Engine, EngineConfig
-from mlx_cairn.testing.engine import assert_at_rest
+from mlx_cairn.testing.engine_checks import assert_at_rest
 from scripted_model import say, scripted_model
 
 pytestmark = pytest.mark.timeout(120)

@@ -9,7 +9,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from live_server import registry_for, serve
 from mlx_cairn.api import ServerConfig
 from mlx_cairn.engine import Engine, EngineConfig
-from mlx_cairn.testing.engine import assert_at_rest
+from mlx_cairn.testing.engine_checks import assert_at_rest
 from scripted_model import say, scripted_model
 
 TOKEN = "metrics-secret-token"

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from mlx_cairn.testing.models import tiny_model
+from mlx_cairn.testing.tiny_models import tiny_model
 from models_fixtures import write_tiny_gguf
 
 pytestmark = pytest.mark.timeout(300)

@@ -23,7 +23,7 @@ import pytest
 
 from live_server import cairn_serve
 from mlx_cairn.models.export import save_folder
-from mlx_cairn.testing.models import tiny_model
+from mlx_cairn.testing.tiny_models import tiny_model
 
 pytestmark = pytest.mark.timeout(180)
 

@@ -27,8 +27,8 @@ from mlx_cairn.api import ModelRegistry, ServerConfig, create_app
 from mlx_cairn.engine import Engine, EngineConfig
 from mlx_cairn.engine.embedder import EmbeddingEngine
 from mlx_cairn.models.embedding import load_embedding_model
-from mlx_cairn.testing.embed import save_tiny_embedding
-from mlx_cairn.testing.engine import assert_at_rest
+from mlx_cairn.testing.engine_checks import assert_at_rest
+from mlx_cairn.testing.tiny_embed import save_tiny_embedding
 from scripted_model import scripted_model
 
 TOKEN = "schemathesis-token"

@@ -16,8 +16,8 @@ from mlx_cairn.cli.serve import (
     claude_code_fit,
     override_context,
 )
-from mlx_cairn.testing.engine import closing_at_rest
-from mlx_cairn.testing.models import tiny_model
+from mlx_cairn.testing.engine_checks import closing_at_rest
+from mlx_cairn.testing.tiny_models import tiny_model
 
 
 def args(*argv: str) -> argparse.Namespace:

@@ -26,7 +26,7 @@ import pytest
 
 from live_server import cairn_serve, wait_until
 from mlx_cairn.models.export import save_folder
-from mlx_cairn.testing.models import tiny_model
+from mlx_cairn.testing.tiny_models import tiny_model
 from test_reliability_connections import informational, parse, read_all, streamed_text
 
 pytestmark = pytest.mark.timeout(300)

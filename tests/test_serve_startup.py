@@ -29,7 +29,7 @@ from mlx_cairn.cli.serve import (
 )
 from mlx_cairn.engine.stats import EngineStats
 from mlx_cairn.models.export import save_folder
-from mlx_cairn.testing.models import tiny_model
+from mlx_cairn.testing.tiny_models import tiny_model
 
 pytestmark = pytest.mark.timeout(300)
 

@@ -24,8 +24,8 @@ from mlx_cairn.chat import Tokenizer
 from mlx_cairn.engine import Engine, EngineConfig
 from mlx_cairn.engine.output import SequenceOutput
 from mlx_cairn.engine.request import PreparedRequest
-from mlx_cairn.testing.engine import assert_at_rest, closing_at_rest
-from mlx_cairn.testing.models import TINY_VOCAB, tiny_tokenizer
+from mlx_cairn.testing.engine_checks import assert_at_rest, closing_at_rest
+from mlx_cairn.testing.tiny_models import TINY_VOCAB, tiny_tokenizer
 from mlx_cairn.text import decode_skips, parser_tags
 from mlx_cairn.types import (
     ChatRequest,

@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 from _text_helpers import chunked, chunks_of, model_text
 from mlx_cairn.chat import ChatTemplate, detect_parser_family, detect_reasoning
 from mlx_cairn.engine import Engine, EngineConfig
-from mlx_cairn.testing.engine import closing_at_rest
+from mlx_cairn.testing.engine_checks import closing_at_rest
 from mlx_cairn.text import (
     FAMILIES,
     OutputParser,

@@ -17,8 +17,8 @@ import pytest
 from live_server import registry_for, serve
 from mlx_cairn.api import respond as runner
 from mlx_cairn.engine import Engine, EngineConfig
-from mlx_cairn.protocol.base import MAX_JSON_DEPTH
-from mlx_cairn.testing.engine import assert_at_rest
+from mlx_cairn.protocol.codec import MAX_JSON_DEPTH
+from mlx_cairn.testing.engine_checks import assert_at_rest
 from scripted_model import say, scripted_model
 
 ROUTES = {

@@ -18,8 +18,8 @@ from PIL import Image as PILImage
 from mlx_cairn.backends.cpu import attention as cpu_attention
 from mlx_cairn.engine import Engine, EngineConfig
 from mlx_cairn.models import load
-from mlx_cairn.testing.engine import assert_at_rest, greedy_reference
-from mlx_cairn.testing.vision import tiny_vision_folder
+from mlx_cairn.testing.engine_checks import assert_at_rest, greedy_reference
+from mlx_cairn.testing.tiny_vision import tiny_vision_folder
 from mlx_cairn.types import (
     IMAGE_MARK,
     Admitted,

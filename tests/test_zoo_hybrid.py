@@ -18,9 +18,9 @@ import numpy as np
 import pytest
 
 from mlx_cairn.engine import Engine, EngineConfig
-from mlx_cairn.testing.engine import closing_at_rest, greedy_base
-from mlx_cairn.testing.models import mlx_lm_greedy, tiny_zoo_model
+from mlx_cairn.testing.engine_checks import closing_at_rest, greedy_base
 from mlx_cairn.testing.tiny_configs import HYBRID_CONFIGS
+from mlx_cairn.testing.tiny_models import mlx_lm_greedy, tiny_zoo_model
 from mlx_cairn.types import ChatRequest, Done, Message, SamplingParams
 
 TIMEOUT = 120.0

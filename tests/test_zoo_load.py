@@ -13,8 +13,8 @@ from mlx_cairn.errors import ModelLoadError
 from mlx_cairn.models import load
 from mlx_cairn.models.export import save_folder
 from mlx_cairn.models.zoo import ZooModel, model_classes
-from mlx_cairn.testing.engine import closing_at_rest
-from mlx_cairn.testing.models import mlx_lm_greedy, tiny_zoo_model
+from mlx_cairn.testing.engine_checks import closing_at_rest
+from mlx_cairn.testing.tiny_models import mlx_lm_greedy, tiny_zoo_model
 from mlx_cairn.types import ChatRequest, Done, Message, SamplingParams
 
 
@@ -228,7 +228,7 @@ def test_llama_family_folders_go_to_mlx_lm(tmp_path):
 def test_reference_loop_and_whole_call_architectures_through_the_engine():
     """engine/reference.py (``cairn generate``) runs mlx-lm's own caches; an architecture
     that computes logits inside __call__ serves through the engine unchanged."""
-    from mlx_cairn.testing.engine import greedy_reference
+    from mlx_cairn.testing.engine_checks import greedy_reference
 
     lm = tiny_zoo_model("gemma3_text", seed=12)
     ids = lm.tokenizer.encode("What is the capital of France? " * 4)

@@ -19,7 +19,7 @@ import pytest
 
 from live_server import cairn_serve, engine_text
 from mlx_cairn.models.export import save_folder
-from mlx_cairn.testing.models import tiny_zoo_model
+from mlx_cairn.testing.tiny_models import tiny_zoo_model
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 

@@ -43,7 +43,7 @@ from mlx_cairn.models.export import save_folder
 from mlx_cairn.models.llama import LlamaModel
 from mlx_cairn.models.loaded import assemble
 from mlx_cairn.models.loader import default_model_path, load
-from mlx_cairn.testing.models import random_weights, tiny_args
+from mlx_cairn.testing.tiny_models import random_weights, tiny_args
 
 #: What the model answers to any prompt (20 distinct SmolLM2 tokens).
 REPLY = "Hello! I am a tiny random-weight test model; my weights spell out this short reply."

@@ -19,7 +19,7 @@ from mlx_cairn.protocol.anthropic import (
     parse_messages_request,
 )
 from mlx_cairn.protocol.anthropic_stream import AnthropicCodec, error_payload
-from mlx_cairn.protocol.base import check_depth
+from mlx_cairn.protocol.codec import check_depth
 from mlx_cairn.protocol.images import ImageReader, fetch_pending, has_images, refuse_images
 
 

@@ -32,7 +32,7 @@ from mlx_cairn.api.metrics import CLIENT_GONE_SCOPE_KEY
 from mlx_cairn.api.settings import AppState, app_state, json_response, read_json
 from mlx_cairn.errors import CairnError
 from mlx_cairn.models.embedding import EmbeddingModel, model_kind, not_an_embedding_model
-from mlx_cairn.protocol.base import check_depth
+from mlx_cairn.protocol.codec import check_depth
 from mlx_cairn.protocol.embeddings import (
     EmbeddingRequest,
     check_dimensions,

@@ -42,7 +42,7 @@ from mlx_cairn.api.registry import ModelRegistry, ServedModel
 from mlx_cairn.api.respond import serve_generation
 from mlx_cairn.api.settings import AppState, app_state, json_response, read_json
 from mlx_cairn.errors import InvalidRequest, ModelNotFound, NotSupported
-from mlx_cairn.protocol.base import check_depth, required_model
+from mlx_cairn.protocol.codec import check_depth, required_model
 from mlx_cairn.protocol.images import ImageReader, takes_images
 from mlx_cairn.protocol.ollama import (
     LoadRequest,

@@ -29,7 +29,7 @@ from mlx_cairn.api.respond import (
     serve_render,
 )
 from mlx_cairn.api.settings import AppState
-from mlx_cairn.protocol.base import Codec
+from mlx_cairn.protocol.codec import Codec
 from mlx_cairn.protocol.openai_common import error_body, models_body
 from mlx_cairn.protocol.openai_completions import (
     CompletionCodec,

@@ -46,7 +46,7 @@ which every SSE client ignores, and the count is in the final usage
 (``cache_read_input_tokens`` for Anthropic) as well.
 
 Framing: a codec streams SSE unless it names another
-:class:`~mlx_cairn.protocol.base.Framing` (the Ollama API's NDJSON, whose
+:class:`~mlx_cairn.protocol.codec.Framing` (the Ollama API's NDJSON, whose
 pings and closing note are empty: its clients parse every line as JSON).
 """
 
@@ -69,7 +69,7 @@ from mlx_cairn.api.registry import ModelLease, ServedModel
 from mlx_cairn.api.settings import AppState, app_state, json_response, read_json
 from mlx_cairn.errors import CairnError, ContextLengthExceeded, error_kind
 from mlx_cairn.models.embedding import model_kind, not_a_chat_model
-from mlx_cairn.protocol.base import Codec, Framing, WireEvent, check_depth, framing_of
+from mlx_cairn.protocol.codec import Codec, Framing, WireEvent, check_depth, framing_of
 from mlx_cairn.protocol.frames import json_bytes
 from mlx_cairn.protocol.images import fetch_pending, has_images, refuse_images, strip_marks
 from mlx_cairn.types import ChatRequest, Done, Error, Event

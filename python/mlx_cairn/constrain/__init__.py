@@ -5,7 +5,7 @@ One concern, one package (docs/design.md §2):
 - :mod:`~mlx_cairn.constrain.grammar`: the token vocabulary per tokenizer, JSON
   schemas made interoperable and closed, and :class:`GrammarMask`, the engine's
   row-mask seam over the Rust ``cairn-constrain`` crate (llguidance);
-- :mod:`~mlx_cairn.constrain.request`: the grammar one request asks for
+- :mod:`~mlx_cairn.constrain.compile`: the grammar one request asks for
   (forced or strict tool calls, a structured output), compiled or refused;
 - :mod:`~mlx_cairn.constrain.tool_grammars`: a tool call in each parser family's
   own syntax, as an llguidance Lark grammar;

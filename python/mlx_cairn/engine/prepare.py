@@ -18,7 +18,7 @@ import orjson
 from mlx_cairn import heavy
 from mlx_cairn.chat.fim import fim_stop_ids, is_fim_prompt
 from mlx_cairn.chat.prompt import build_raw_prompt, template_kwargs
-from mlx_cairn.constrain.request import compile_grammar, constrained
+from mlx_cairn.constrain.compile import compile_grammar, constrained
 from mlx_cairn.engine.prompt_bound import vocab_bound
 from mlx_cairn.engine.request import PreparedRequest
 from mlx_cairn.errors import ContextLengthExceeded, InvalidRequest

@@ -42,7 +42,7 @@ from typing import Any
 import orjson
 
 from mlx_cairn.errors import InvalidRequest
-from mlx_cairn.protocol.base import (
+from mlx_cairn.protocol.codec import (
     MEDIA_PLACEHOLDER,
     each_object,
     fail,

@@ -33,7 +33,7 @@ from typing import Any
 import orjson
 
 from mlx_cairn.errors import error_kind
-from mlx_cairn.protocol.base import (
+from mlx_cairn.protocol.codec import (
     WireEvent,
     new_id,
     speculative_usage,

@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 
 from mlx_cairn.errors import InvalidRequest
-from mlx_cairn.protocol.base import fail, is_int, required_model
+from mlx_cairn.protocol.codec import fail, is_int, required_model
 
 #: Inputs in one request at most (OpenAI's limit).
 MAX_INPUTS = 2048

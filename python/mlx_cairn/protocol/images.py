@@ -43,7 +43,7 @@ from typing import Any
 import orjson
 
 from mlx_cairn.errors import InvalidRequest
-from mlx_cairn.protocol.base import fail, short
+from mlx_cairn.protocol.codec import fail, short
 from mlx_cairn.types import IMAGE_MARK, ChatRequest, Image, Message
 
 #: Defaults of ``cairn serve --max-image-pixels / --max-image-bytes / --max-images

@@ -37,7 +37,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from mlx_cairn.errors import InvalidRequest, error_kind
-from mlx_cairn.protocol.base import WireEvent, fail
+from mlx_cairn.protocol.codec import WireEvent, fail
 from mlx_cairn.protocol.frames import comment
 from mlx_cairn.protocol.openai_common import opt_bool, stop_list
 from mlx_cairn.protocol.sampling import bounded, integer, number

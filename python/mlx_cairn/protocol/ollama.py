@@ -56,7 +56,7 @@ from typing import Any, Literal
 import orjson
 
 from mlx_cairn.errors import InvalidRequest
-from mlx_cairn.protocol.base import (
+from mlx_cairn.protocol.codec import (
     each_object,
     fail,
     is_int,

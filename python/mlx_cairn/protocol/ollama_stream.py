@@ -39,7 +39,7 @@ from typing import Any
 
 import orjson
 
-from mlx_cairn.protocol.base import NDJSON, WireEvent, tool_call_as_text
+from mlx_cairn.protocol.codec import NDJSON, WireEvent, tool_call_as_text
 from mlx_cairn.protocol.ollama import Shape
 from mlx_cairn.protocol.openai_common import CallIds, LogprobHold, TextGate, json_object
 from mlx_cairn.types import Done, Error, Event, ReasoningDelta, TextDelta, TokenLogprob, ToolCall

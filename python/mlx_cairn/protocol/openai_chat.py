@@ -54,7 +54,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from mlx_cairn.errors import InvalidRequest, error_kind
-from mlx_cairn.protocol.base import (
+from mlx_cairn.protocol.codec import (
     WireEvent,
     each_object,
     nonempty_list,

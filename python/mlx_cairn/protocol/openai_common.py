@@ -8,7 +8,7 @@
 - :class:`TextGate`: holds whitespace that only precedes a tool call (the
   same rule as the Anthropic encoder, so a tool-only answer has no text);
 - a tool call the request did not allow comes back as text, nothing is lost
-  (:func:`~mlx_cairn.protocol.base.tool_call_as_text`);
+  (:func:`~mlx_cairn.protocol.codec.tool_call_as_text`);
 - :func:`logprob_entry`, one token's log-probabilities in the OpenAI shape,
   and :class:`LogprobHold`, the rule for which tokens' logprobs a text
   delta carries (both dialects).
@@ -26,7 +26,7 @@ from typing import Any
 import orjson
 
 from mlx_cairn.errors import error_kind
-from mlx_cairn.protocol.base import (
+from mlx_cairn.protocol.codec import (
     MEDIA_PLACEHOLDER,
     WireEvent,
     fail,

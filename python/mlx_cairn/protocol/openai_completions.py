@@ -45,7 +45,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from mlx_cairn.errors import InvalidRequest, error_kind
-from mlx_cairn.protocol.base import (
+from mlx_cairn.protocol.codec import (
     WireEvent,
     is_int,
     required_model,

@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from mlx_cairn.errors import CairnError, InvalidRequest
-from mlx_cairn.protocol.base import required_model
+from mlx_cairn.protocol.codec import required_model
 from mlx_cairn.protocol.images import ImageReader, strip_marks
 from mlx_cairn.protocol.openai_common import (
     chat_request,

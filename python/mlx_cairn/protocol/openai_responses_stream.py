@@ -41,7 +41,7 @@ from collections.abc import Callable
 from typing import Any
 
 from mlx_cairn.errors import error_kind
-from mlx_cairn.protocol.base import WireEvent, speculative_usage, timings_body, tool_call_as_text
+from mlx_cairn.protocol.codec import WireEvent, speculative_usage, timings_body, tool_call_as_text
 from mlx_cairn.protocol.frames import comment
 from mlx_cairn.protocol.openai_common import (
     CallIds,

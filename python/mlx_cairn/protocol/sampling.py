@@ -34,7 +34,7 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from mlx_cairn.protocol.base import fail, is_int, is_num, short
+from mlx_cairn.protocol.codec import fail, is_int, is_num, short
 from mlx_cairn.types import MAX_LOGIT_BIAS_ENTRIES, SAMPLING_BOUNDS, SamplingParams
 
 #: Largest token id a ``logit_bias`` key may spell (ids are int32 in the

@@ -7,7 +7,7 @@ milliseconds on a CPU. Windows are a few tokens so test prompts cross them.
 
 Example::
 
-    from mlx_cairn.testing.models import tiny_zoo_model
+    from mlx_cairn.testing.tiny_models import tiny_zoo_model
     lm = tiny_zoo_model("gemma3_text", seed=0)
 """
 

@@ -2,7 +2,7 @@
 
 Example::
 
-    from mlx_cairn.testing.models import tiny_model
+    from mlx_cairn.testing.tiny_models import tiny_model
     lm = tiny_model("qwen3", seed=0)     # a LoadedModel, ready in milliseconds
     ids = lm.prompt(ChatRequest(messages=[Message("user", "Hi")])).ids
 

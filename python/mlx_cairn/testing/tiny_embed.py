@@ -23,8 +23,8 @@ from mlx.utils import tree_flatten
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import processors
 
-from mlx_cairn.testing.models import random_weights, tiny_tokenizer, trained_bpe
 from mlx_cairn.testing.tiny_configs import tiny_config
+from mlx_cairn.testing.tiny_models import random_weights, tiny_tokenizer, trained_bpe
 
 #: The families :func:`save_tiny_embedding` writes.
 TINY_EMBEDDERS = ("bert", "xlm_roberta", "modernbert", "qwen3")

@@ -3,7 +3,7 @@
 Each folder is what a real checkpoint looks like to mlx-vlm: ``config.json``
 (with a ``vision_config``), ``model.safetensors`` written from mlx-vlm's own
 model class with random weights, a tokenizer (the tiny byte-level BPE of
-:mod:`mlx_cairn.testing.models` plus the family's image and turn tokens), a
+:mod:`mlx_cairn.testing.tiny_models` plus the family's image and turn tokens), a
 chat template that takes content parts, and the processor's configs, so
 ``mlx_vlm.utils.load`` and ``mlx_cairn.models.load`` both read it.
 
@@ -24,7 +24,7 @@ import mlx.core as mx
 from mlx.utils import tree_flatten
 from tokenizers import AddedToken
 
-from mlx_cairn.testing.models import TINY_VOCAB, random_weights, tiny_tokenizer
+from mlx_cairn.testing.tiny_models import TINY_VOCAB, random_weights, tiny_tokenizer
 
 #: Architectures :func:`tiny_vision_folder` builds.
 VISION_ARCHES = ("gemma3", "qwen2_5_vl", "qwen3_vl", "qwen3_5", "idefics3", "smolvlm", "mistral3")
