@@ -25,12 +25,10 @@ Example::
 from __future__ import annotations
 
 import asyncio
-import atexit
 import concurrent.futures
 import logging
 import threading
 import time
-import weakref
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -38,6 +36,7 @@ import mlx.core as mx
 import numpy as np
 
 from mlx_cairn.engine.stats import EngineStats
+from mlx_cairn.engine.worker import WorkerOwner
 from mlx_cairn.errors import ContextLengthExceeded, EngineError, InvalidRequest, QueueFull
 from mlx_cairn.models.embedding import EmbeddingModel, forward_budget, not_a_chat_model
 
@@ -52,15 +51,6 @@ DEFAULT_MAX_BATCH_ROWS = 64
 DEFAULT_FORWARD_FLOPS = 3e11
 #: Bounds on that budget (tiny models would get millions; huge ones a handful).
 MIN_BATCH_TOKENS, MAX_BATCH_TOKENS = 256, 16384
-
-_live: weakref.WeakSet[EmbeddingEngine] = weakref.WeakSet()
-
-
-@atexit.register
-def _close_all() -> None:
-    # Workers are daemons; stop them before MLX is torn down (as chat engines do).
-    for engine in list(_live):
-        engine.close(timeout=10.0)
 
 
 @dataclass(frozen=True, slots=True)
@@ -124,7 +114,7 @@ class EmbeddingStream:
         self._engine._cancel(self._job)
 
 
-class EmbeddingEngine:
+class EmbeddingEngine(WorkerOwner):
     """See the module doc. ``loaded`` is the model (the registry measures it)."""
 
     def __init__(
@@ -148,9 +138,7 @@ class EmbeddingEngine:
         self._jobs: list[_Job] = []  # arrival order; a job leaves once answered or dropped
         self._closing = False
         self._counts = {"total": 0, "completed": 0, "failed": 0, "cancelled": 0, "tokens": 0}
-        self._thread = threading.Thread(target=self._loop, name="mlx-cairn-embed", daemon=True)
-        _live.add(self)
-        self._thread.start()
+        self._start_worker(self._loop, "mlx-cairn-embed")
 
     # ------------------------------------------------------------ any thread
 
@@ -227,20 +215,6 @@ class EmbeddingEngine:
                 requests_failed=c["failed"],
                 requests_cancelled=c["cancelled"],
             )
-
-    def close(self, timeout: float = 30.0) -> None:
-        """Stop the worker; requests not answered yet fail with EngineError."""
-        with self._lock:
-            self._closing = True
-            self._lock.notify_all()
-        if threading.current_thread() is not self._thread:
-            self._thread.join(timeout)
-
-    def __enter__(self) -> EmbeddingEngine:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
     def _cancel(self, job: _Job) -> None:
         with self._lock:

@@ -21,9 +21,6 @@ Requests reach it through an inbox; Events leave through each request's
 
 from __future__ import annotations
 
-import atexit
-import threading
-import weakref
 from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import replace
 from typing import Any
@@ -38,20 +35,12 @@ from mlx_cairn.engine.sequence import Sequence
 from mlx_cairn.engine.speculate import RowSpec
 from mlx_cairn.engine.stats import EngineStats
 from mlx_cairn.engine.stream import RequestStream
+from mlx_cairn.engine.worker import WorkerOwner
 from mlx_cairn.errors import EngineError, QueueFull
 from mlx_cairn.types import ChatRequest, Event
 
-_live_engines: weakref.WeakSet[Engine] = weakref.WeakSet()
 
-
-@atexit.register
-def _close_all() -> None:
-    # Engine threads are daemons; stop them cleanly before MLX is torn down.
-    for engine in list(_live_engines):
-        engine.close(timeout=10.0)
-
-
-class Engine(EngineCore):
+class Engine(EngineCore, WorkerOwner):
     """Continuous-batching generation over a paged KV cache with prefix reuse.
 
     Args:
@@ -70,9 +59,7 @@ class Engine(EngineCore):
 
     def __init__(self, loaded_model: Any, config: EngineConfig | None = None) -> None:
         super().__init__(loaded_model, EngineConfig() if config is None else config)
-        self._thread = threading.Thread(target=self._loop, name="mlx-cairn-engine", daemon=True)
-        _live_engines.add(self)
-        self._thread.start()
+        self._start_worker(self._loop, "mlx-cairn-engine")
 
     def prepare(self, request: ChatRequest, *, clamp_max_tokens: bool = False) -> PreparedRequest:
         """Template + tokenize + validate (raises ContextLengthExceeded / InvalidRequest).
@@ -169,20 +156,6 @@ class Engine(EngineCore):
         with the live ``queue_depth``)."""
         with self._lock:
             return replace(self._stats, queue_depth=self._queued)
-
-    def close(self, timeout: float = 30.0) -> None:
-        """Stop the engine thread; unfinished requests end with an Error event."""
-        with self._lock:
-            self._closing = True
-            self._lock.notify_all()
-        if threading.current_thread() is not self._thread:
-            self._thread.join(timeout)
-
-    def __enter__(self) -> Engine:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
     def _cancel(self, request_id: int) -> None:
         with self._lock:
