@@ -21,6 +21,11 @@ def _body(required: list[str], properties: dict[str, Any]) -> dict[str, Any]:
     return {"type": "object", "required": required, "properties": properties}
 
 
+def _messages(required: list[str], properties: dict[str, Any]) -> dict[str, Any]:
+    """A non-empty list of message objects."""
+    return {"type": "array", "minItems": 1, "items": _body(required, properties)}
+
+
 _STR = {"type": "string"}
 _NAME = {"type": "string", "minLength": 1}
 _INT = {"type": "integer"}
@@ -60,18 +65,13 @@ _CONTENT_BLOCK = {
 }
 _ANTHROPIC_COMMON: dict[str, Any] = {
     "model": _NAME,
-    "messages": {
-        "type": "array",
-        "minItems": 1,
-        "items": {
-            "type": "object",
-            "required": ["role", "content"],
-            "properties": {
-                "role": {"type": "string", "enum": ["user", "assistant"]},
-                "content": {"anyOf": [_STR, {"type": "array", "items": _CONTENT_BLOCK}]},
-            },
+    "messages": _messages(
+        ["role", "content"],
+        {
+            "role": {"type": "string", "enum": ["user", "assistant"]},
+            "content": {"anyOf": [_STR, {"type": "array", "items": _CONTENT_BLOCK}]},
         },
-    },
+    ),
     "system": {"anyOf": [_STR, {"type": "array", "items": _TEXT_BLOCK}]},
     "tools": {
         "type": "array",
@@ -136,48 +136,43 @@ CHAT_BODY = _body(
     ["model", "messages"],
     {
         "model": _NAME,
-        "messages": {
-            "type": "array",
-            "minItems": 1,
-            "items": {
-                "type": "object",
-                "required": ["role"],
-                "properties": {
-                    "role": {
-                        "type": "string",
-                        "enum": ["system", "developer", "user", "assistant", "tool"],
-                    },
-                    "content": {
-                        "anyOf": [
-                            _STR,
-                            {"type": "null"},
-                            {
-                                "type": "array",
-                                "items": _TEXT_BLOCK,
-                            },
-                        ]
-                    },
-                    "name": _NAME,
-                    "tool_call_id": _NAME,
-                    "tool_calls": {
-                        "type": "array",
-                        "items": {
-                            "type": "object",
-                            "required": ["id", "type", "function"],
-                            "properties": {
-                                "id": _NAME,
-                                "type": {"const": "function"},
-                                "function": {
-                                    "type": "object",
-                                    "required": ["name", "arguments"],
-                                    "properties": {"name": _NAME, "arguments": _STR},
-                                },
+        "messages": _messages(
+            ["role"],
+            {
+                "role": {
+                    "type": "string",
+                    "enum": ["system", "developer", "user", "assistant", "tool"],
+                },
+                "content": {
+                    "anyOf": [
+                        _STR,
+                        {"type": "null"},
+                        {
+                            "type": "array",
+                            "items": _TEXT_BLOCK,
+                        },
+                    ]
+                },
+                "name": _NAME,
+                "tool_call_id": _NAME,
+                "tool_calls": {
+                    "type": "array",
+                    "items": {
+                        "type": "object",
+                        "required": ["id", "type", "function"],
+                        "properties": {
+                            "id": _NAME,
+                            "type": {"const": "function"},
+                            "function": {
+                                "type": "object",
+                                "required": ["name", "arguments"],
+                                "properties": {"name": _NAME, "arguments": _STR},
                             },
                         },
                     },
                 },
             },
-        },
+        ),
         "max_tokens": _POS_INT,
         "max_completion_tokens": _POS_INT,
         "stream": _BOOL,
