@@ -40,6 +40,7 @@ import numpy as np
 from mlx_cairn.engine.paged_quant import (
     DEFAULT_KV_GROUP_SIZE,
     check_kv_quant,
+    copy_block_rows,
     flat_pools,
     quant_pool,
     write_and_gather_quant,
@@ -247,19 +248,8 @@ class KVPools:
 
     def copy_rows(self, copies: Seq[tuple[int, int, int]]) -> None:
         """For each ``(src, dst, n)``: rows ``0 .. n-1`` of block ``src`` into block ``dst``,
-        in every KV layer.
-
-        The source blocks are read into arrays of their own and evaluated first
-        (this waits for a step in flight): an update whose value still aliases
-        its pool cannot be done in place, and MLX would copy the whole pool.
-        """
-        pools = self.kv_arrays()
-        src = mx.array([c[0] for c in copies], dtype=mx.int32)
-        rows = [mx.take(p, src, axis=1) for p in pools]
-        mx.eval(rows)
-        for pool, got in zip(pools, rows, strict=True):
-            for j, (_, dst, n) in enumerate(copies):
-                pool[:, dst, :n] = got[:, j, :n]
+        in every KV layer (:func:`~mlx_cairn.engine.paged_quant.copy_block_rows`)."""
+        copy_block_rows(self.kv_arrays(), copies)
 
     def queue_call(self, outputs: mx.array) -> None:
         """Queue a forward call over the pools (its ``outputs`` and its pool writes)

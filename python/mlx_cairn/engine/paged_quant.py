@@ -104,6 +104,22 @@ def quant_pool(
     )
 
 
+def copy_block_rows(pools: Seq[mx.array], copies: Seq[tuple[int, int, int]]) -> None:
+    """For each ``(src, dst, n)``: rows ``0 .. n-1`` of block ``src`` into block ``dst``
+    of every pool (axis 1 is the block).
+
+    The source blocks are read into arrays of their own and evaluated first
+    (this waits for a step in flight): an update whose value still aliases
+    its pool cannot be done in place, and MLX would copy the whole pool.
+    """
+    src = mx.array([c[0] for c in copies], dtype=mx.int32)
+    got = [mx.take(p, src, axis=1) for p in pools]
+    mx.eval(got)
+    for pool, rows in zip(pools, got, strict=True):
+        for j, (_, dst, n) in enumerate(copies):
+            pool[:, dst, :n] = rows[:, j, :n]
+
+
 def flat_pools(k: Seq[Any], v: Seq[Any]) -> list[mx.array]:
     """Every array of the pools ``k`` and ``v`` (arrays, triples or None)."""
     out: list[mx.array] = []
@@ -240,10 +256,4 @@ class QuantBlocks:
     def copy_rows(self, copies: Seq[tuple[int, int, int]]) -> None:
         """For each ``(src, dst, n)``: packed rows ``0 .. n-1`` of block ``src`` and their
         scales and biases into block ``dst``, in every KV layer (as ``KVPools.copy_rows``)."""
-        pools = self.arrays()
-        src = mx.array([c[0] for c in copies], dtype=mx.int32)
-        got = [mx.take(p, src, axis=1) for p in pools]
-        mx.eval(got)
-        for pool, rows in zip(pools, got, strict=True):
-            for j, (_, dst, n) in enumerate(copies):
-                pool[:, dst, :n] = rows[:, j, :n]
+        copy_block_rows(self.arrays(), copies)
