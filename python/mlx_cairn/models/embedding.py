@@ -393,10 +393,7 @@ def _load_decoder(folder: Path, config: dict[str, Any], dtype: str) -> tuple[nn.
     except ValueError as e:
         raise ModelLoadError(f"checkpoint does not match the architecture: {e}") from None
     compute, dequant = resolve_dtype(dtype, zoo.checkpoint_dtype(backbone))
-    if dequant:
-        zoo.dequantize_model(backbone, compute)
-    zoo.cast_floats(backbone, compute)
-    mx.eval(backbone.parameters())
+    zoo.settle(backbone, compute, dequant=dequant)
     from mlx_cairn.backends import cpu
 
     cpu.install(backbone, compute, layout=False)
@@ -425,10 +422,7 @@ def _load_encoder(folder: Path, config: dict[str, Any], dtype: str) -> tuple[nn.
     except Exception as e:  # whatever its loader trips on is a bad checkpoint to us
         raise ModelLoadError(f"mlx-embeddings cannot load {folder.name}: {e}") from None
     compute, dequant = resolve_dtype(dtype, zoo.checkpoint_dtype(model))
-    if dequant:
-        zoo.dequantize_model(model, compute)
-    zoo.cast_floats(model, compute)
-    mx.eval(model.parameters())
+    zoo.settle(model, compute, dequant=dequant)
     return model, dtype_name(compute)
 
 

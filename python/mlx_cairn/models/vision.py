@@ -39,7 +39,7 @@ import mlx.nn as nn
 import numpy as np
 
 from mlx_cairn.errors import InvalidRequest, ModelLoadError
-from mlx_cairn.models.zoo import ZooModel, cast_floats, checkpoint_dtype, dequantize_model
+from mlx_cairn.models.zoo import ZooModel, checkpoint_dtype, settle
 from mlx_cairn.types import ChatRequest, Image
 
 #: Vision-tower outputs kept per model (pictures; each a few hundred rows of hidden size).
@@ -549,10 +549,7 @@ def load_vision_model(
     compute, dequant = resolve_dtype(dtype, checkpoint_dtype(vlm))
     if keep_quantized is not None:
         dequant = not keep_quantized
-    if dequant:
-        dequantize_model(vlm, compute)
-    cast_floats(vlm, compute)
-    mx.eval(vlm.parameters())
+    settle(vlm, compute, dequant=dequant)
     _route_quantized_kv(vlm.language_model)
     from mlx_cairn.backends import cpu
 

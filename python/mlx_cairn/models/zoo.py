@@ -558,14 +558,19 @@ class ZooModel:
         raise TypeError("ZooModel is not iterable")
 
 
-def finish(
-    model: nn.Module, config: dict[str, Any], *, compute: mx.Dtype, dequant: bool
-) -> ZooModel:
-    """Dequantize (CPU), cast to the compute dtype, evaluate, wrap."""
+def settle(model: nn.Module, compute: mx.Dtype, *, dequant: bool) -> None:
+    """Dequantize (``dequant``), cast the floats to ``compute``, evaluate the weights."""
     if dequant:
         dequantize_model(model, compute)
     cast_floats(model, compute)
     mx.eval(model.parameters())
+
+
+def finish(
+    model: nn.Module, config: dict[str, Any], *, compute: mx.Dtype, dequant: bool
+) -> ZooModel:
+    """Dequantize (CPU), cast to the compute dtype, evaluate, wrap."""
+    settle(model, compute, dequant=dequant)
     from mlx_cairn.backends import cpu
 
     cpu.install(model, compute)
