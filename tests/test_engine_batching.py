@@ -158,7 +158,8 @@ def test_arrivals_mid_decode(lm, make_engine):
 
 def test_preemption_in_a_tiny_pool(lm, make_engine):
     # 24 usable blocks of 4 tokens: five ~40-token sequences cannot all fit.
-    engine = make_engine(num_blocks=25, step_token_budget=16)
+    # No decode share: rows side by side (the share may let one finish first).
+    engine = make_engine(num_blocks=25, step_token_budget=16, decode_share=0)
     reqs = [greedy(p, max_tokens=32) for p in PROMPTS]
     streams = [engine.submit(r) for r in reqs]
     for req, s in zip(reqs, streams, strict=True):

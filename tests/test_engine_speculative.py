@@ -255,7 +255,9 @@ def test_preemption_under_a_small_pool_keeps_outputs_exact(lm, spec, kv):
         if "draft_model" in spec:
             spec = {"draft_model": tiny_model("qwen3", seed=1, noise=0.05)}
     reqs = [greedy(p, 40) for p in PROMPTS] * 2
-    with Engine(lm, EngineConfig(**spec, **kw, num_blocks=40, block_size=4, max_batch=8)) as eng:
+    # No decode share: rows side by side (the share may let one finish first).
+    config = EngineConfig(**spec, **kw, num_blocks=40, block_size=4, max_batch=8, decode_share=0)
+    with Engine(lm, config) as eng:
         streams = [eng.submit(r) for r in reqs]
         for s, r in zip(streams, reqs, strict=True):
             list(s.iter_sync(timeout=TIMEOUT))
