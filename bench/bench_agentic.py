@@ -146,6 +146,7 @@ async def session(
             CHAT,
             greedy_chat_body(model, msgs, args.answer_tokens),
             keep_text=True,
+            timeout=args.request_timeout,
         )
         if r.error:
             raise RuntimeError(f"session {s} turn {t}: {r.error}")
@@ -384,6 +385,12 @@ def main(argv: list[str]) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--sessions", type=int, default=4)
     ap.add_argument("--turns", type=int, default=4)
+    ap.add_argument(
+        "--request-timeout",
+        type=float,
+        default=1800.0,
+        help="seconds one turn may take (the peer's turn 1 at 8 sessions runs for minutes)",
+    )
     ap.add_argument("--prefix-tokens", type=int, default=3000, help="shared system + tools")
     ap.add_argument("--turn-tokens", type=int, default=300, help="new user tokens a turn")
     ap.add_argument("--answer-tokens", type=int, default=48, help="max_tokens of each answer")
