@@ -139,10 +139,12 @@ def non_negative(text: str) -> float:
 
 
 def share(text: str) -> float:
-    """A fraction from 0 to 0.9 (``--decode-share``)."""
+    """A fraction from 0 to ``MAX_DECODE_SHARE`` (``--decode-share``)."""
+    from mlx_cairn.engine.config import MAX_DECODE_SHARE
+
     value = non_negative(text)
-    if value > 0.9:
-        raise argparse.ArgumentTypeError(f"must be from 0 to 0.9, got {text}")
+    if value > MAX_DECODE_SHARE:
+        raise argparse.ArgumentTypeError(f"must be from 0 to {MAX_DECODE_SHARE}, got {text}")
     return value
 
 

@@ -46,6 +46,8 @@ DEFAULT_GATHER_S = 0.05
 DEFAULT_SNAPSHOT_BYTES = 1 << 30
 #: Default size of the disk tier (GiB, the whole directory).
 DEFAULT_DISK_GB = 16.0
+#: The largest ``decode_share`` (prefill always keeps a tenth of the time).
+MAX_DECODE_SHARE = 0.9
 
 
 @dataclass(frozen=True)
@@ -147,8 +149,12 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         share = self.decode_share
-        if share is not None and not (isinstance(share, (int, float)) and 0 <= share <= 0.9):
-            raise ValueError(f"decode_share must be between 0 and 0.9, got {share!r}")
+        if share is not None and not (
+            isinstance(share, (int, float)) and 0 <= share <= MAX_DECODE_SHARE
+        ):
+            raise ValueError(
+                f"decode_share must be between 0 and {MAX_DECODE_SHARE}, got {share!r}"
+            )
         for name, val in (
             ("block_size", self.block_size),
             ("max_queue", self.max_queue),
