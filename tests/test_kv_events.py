@@ -5,8 +5,9 @@ the BlockStored chain of a prompt (parent links, the prompt's token blocks,
 the disk tier's chained hashes), a second prompt sharing the prefix stores
 only its own blocks, BlockRemoved as a small pool evicts, and replaying the
 events gives exactly the set of blocks the engine has cached. Also: a slow
-sender drops the oldest batches without holding the engine up; ``cairn serve
---kv-events`` over 2 ranks publishes from rank 0; what ``serve`` refuses.
+sender drops the oldest batches without holding the engine up; a replay socket
+gives back what a late subscriber missed; ``cairn serve --kv-events`` over 2
+ranks publishes from rank 0; what ``serve`` refuses.
 (2 replicas behind the real vllm-router: tests/test_router_kv_events.py.)
 """
 
@@ -23,7 +24,12 @@ import zmq
 
 from mlx_cairn.engine import Engine, EngineConfig
 from mlx_cairn.engine.disk import stable_seed
-from mlx_cairn.engine.kv_events import KVEventPublisher, KVEventsError, check_endpoint
+from mlx_cairn.engine.kv_events import (
+    END_SEQ,
+    KVEventPublisher,
+    KVEventsError,
+    check_endpoint,
+)
 from mlx_cairn.kv import BlockPool, PrefixCache
 from mlx_cairn.testing.engine_checks import generate_from_ids, wait_idle
 from mlx_cairn.testing.tiny_models import tiny_model
@@ -102,6 +108,28 @@ def disk_hashes(lm, tokens: list[int]) -> list[int]:
 
 def wire(h: int) -> bytes:
     return h.to_bytes(16, "big")
+
+
+def ask_replay(endpoint: str, start: int, *, frames: list[bytes] | None = None) -> list:
+    """What the replay socket at ``endpoint`` answers a DEALER asking from ``start``:
+    ``[(seq, events), ...]`` up to (not including) the end marker."""
+    ctx = zmq.Context()
+    dealer = ctx.socket(zmq.DEALER)
+    dealer.connect(endpoint)
+    try:
+        dealer.send_multipart(frames if frames is not None else [b"", start.to_bytes(8, "big")])
+        got = []
+        while True:
+            assert dealer.poll(10_000), "no end marker"
+            empty, seq, payload = dealer.recv_multipart()
+            assert empty == b""
+            if seq == END_SEQ:
+                assert payload == b""
+                return got
+            got.append((int.from_bytes(seq, "big"), msgpack.unpackb(payload)[1]))
+    finally:
+        dealer.close(linger=0)
+        ctx.term()
 
 
 def replay(events: list[dict]) -> set[bytes]:
@@ -240,6 +268,51 @@ def test_a_slow_sender_drops_the_oldest_batches_never_the_engine():
         w.close()
 
 
+def test_replay_gives_back_what_a_late_subscriber_missed():
+    """Batches sent before anyone subscribed are lost to PUB; the replay socket
+    answers a start seq with the buffered batches from there on (the newest
+    ``replay_batches``), then the end marker; a malformed request gets the marker alone."""
+    pub = KVEventPublisher(free_endpoint(), replay_endpoint=free_endpoint(), replay_batches=4)
+    try:
+        for i in range(6):  # nobody listens: all six go nowhere on the PUB socket
+            pub.removed([i])
+            pub.flush()
+        deadline = time.monotonic() + 10
+        while pub.sent < 6:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        assert pub.replay_endpoint is not None
+        got = ask_replay(pub.replay_endpoint, 0)
+        assert [seq for seq, _ in got] == [2, 3, 4, 5]  # the newest four
+        assert [evs[0]["block_hashes"] for _, evs in got] == [[wire(i)] for i in range(2, 6)]
+        assert [seq for seq, _ in ask_replay(pub.replay_endpoint, 4)] == [4, 5]
+        assert ask_replay(pub.replay_endpoint, 6) == []
+        assert ask_replay(pub.replay_endpoint, 0, frames=[b"", b"short"]) == []
+        assert ask_replay(pub.replay_endpoint, 0, frames=[b"x", b"", b"y"]) == []
+        assert len(ask_replay(pub.replay_endpoint, 5)) == 1  # still answering
+        w = Wire(pub)  # live batches still go out, and are kept for replay too
+        pub.removed([99])
+        pub.flush()
+        w.drain()
+        (seq, evs), *_ = w.batches
+        assert evs[0]["block_hashes"] == [wire(99)]
+        assert ask_replay(pub.replay_endpoint, seq) == [(seq, evs)]
+        w.close()
+    finally:
+        pub.close()
+    # Both sockets are closed with the publisher; a busy replay address frees the PUB one.
+    assert pub.replay_endpoint is not None
+    busy = KVEventPublisher(pub.replay_endpoint)
+    try:
+        with pytest.raises(KVEventsError, match="cannot bind"):
+            KVEventPublisher(pub.endpoint, replay_endpoint=pub.replay_endpoint)
+        KVEventPublisher(pub.endpoint).close()
+    finally:
+        busy.close()
+    with pytest.raises(KVEventsError, match="must differ"):
+        KVEventPublisher(pub.endpoint, replay_endpoint=pub.endpoint)
+
+
 @pytest.mark.parametrize(
     "bad", ["127.0.0.1:5557", "tcp://:5557", "tcp://h:0", "tcp://h:x", "ipc://"]
 )
@@ -280,14 +353,14 @@ def test_across_ranks_rank_zero_publishes(tmp_path):
                 ring = free_port()
     hostfile = tmp_path / "hosts.json"
     hostfile.write_text(json.dumps([[f"127.0.0.1:{ring}"], [f"127.0.0.1:{ring + 1}"]]))
-    port, endpoint = free_port(), free_endpoint()
+    port, endpoint, replay_at = free_port(), free_endpoint(), free_endpoint()
     env = {k: v for k, v in os.environ.items() if k not in ("CAIRN_API_KEY", "MLX_RANK")}
     procs = []
     for rank in (0, 1):
         cmd = [
             sys.executable, "-m", "mlx_cairn.cli", "serve", "--host", "127.0.0.1",
             "--port", str(port), "--model", str(folder), "--kv-events", endpoint,
-            "--rank-timeout", "30", "--log-level", "warning",
+            "--kv-events-replay", replay_at, "--rank-timeout", "30", "--log-level", "warning",
         ]  # fmt: skip
         rank_env = {**env, "MLX_HOSTFILE": str(hostfile), "MLX_RANK": str(rank)}
         with open(tmp_path / f"rank{rank}.log", "wb") as f:
@@ -299,7 +372,7 @@ def test_across_ranks_rank_zero_publishes(tmp_path):
     ctx = zmq.Context()
     sub = ctx.socket(zmq.SUB)
     sub.setsockopt(zmq.SUBSCRIBE, b"")
-    sub.connect(endpoint)  # before rank 0 binds: it joins as soon as the socket is up
+    sub.connect(endpoint)  # before rank 0 binds; what it misses, replay gives back
     url = f"http://127.0.0.1:{port}"
     try:
         wait_healthy(url, procs[0], tmp_path / "rank0.log", timeout=90, what="the ranks")
@@ -310,13 +383,18 @@ def test_across_ranks_rank_zero_publishes(tmp_path):
         assert r.status_code == 200, r.text
         usage = r.json()["usage"]
         n_tokens = usage["prompt_tokens"] + usage["completion_tokens"]
-        events: list[dict] = []
-        seqs: list[int] = []
+        live: list[tuple[int, list]] = []
         while sub.poll(1000):
             _, seq, payload = sub.recv_multipart()
-            seqs.append(int.from_bytes(seq, "big"))
-            events += msgpack.unpackb(payload)[1]
-        assert seqs == list(range(len(seqs))), seqs  # from the start, none lost
+            live.append((int.from_bytes(seq, "big"), msgpack.unpackb(payload)[1]))
+        assert live, "nothing published"
+        seqs = [seq for seq, _ in live]
+        assert seqs == list(range(seqs[0], seqs[0] + len(seqs))), seqs  # none lost
+        # The batches PUB sent before the subscription arrived come back by replay.
+        batches = ask_replay(replay_at, 0)
+        assert [seq for seq, _ in batches] == list(range(seqs[-1] + 1))
+        assert batches[seqs[0] :] == live
+        events = [e for _, evs in batches for e in evs]
         assert events[0] == {"type": "AllBlocksCleared"}  # the engine's start
         stored = [e for e in events if e["type"] == "BlockStored"]
         # One chain from the first block: parents link, and the hashes are the
@@ -360,6 +438,9 @@ def test_serve_refuses_what_cannot_publish(tmp_path, capsys):
         assert f"--kv-events: cannot bind {ep}" in capsys.readouterr().err
     finally:
         busy.close()
+    replay_only = ["serve", "--model", str(tmp_path / "a"), "--kv-events-replay", ep]
+    assert main(replay_only) == 2
+    assert "--kv-events-replay replays what --kv-events publishes" in capsys.readouterr().err
     with pytest.raises(SystemExit) as e:
         main(["serve", "--kv-events", "localhost:5557"])
     assert e.value.code == 2 and "tcp://HOST:PORT" in capsys.readouterr().err

@@ -276,6 +276,9 @@ def build(
         raise ServeError(f"--max-body-mb {args.max_body_mb:g} allows no body at all")
 
     kv_events = getattr(args, "kv_events", None)
+    kv_replay = getattr(args, "kv_events_replay", None)
+    if kv_replay is not None and kv_events is None:
+        raise ServeError("--kv-events-replay replays what --kv-events publishes: give both")
     publisher: Any = None
     if kv_events is not None:
         if getattr(args, "models_dir", None) or len(args.model or []) > 1:
@@ -286,7 +289,7 @@ def build(
         from mlx_cairn.engine.kv_events import KVEventPublisher, KVEventsError
 
         try:  # bound now, so a busy port is refused before any model loads
-            publisher = KVEventPublisher(zmq_endpoint(kv_events))
+            publisher = KVEventPublisher(zmq_endpoint(kv_events), replay_endpoint=kv_replay)
         except (KVEventsError, argparse.ArgumentTypeError) as e:
             raise ServeError(f"--kv-events: {e}") from None
 
@@ -659,6 +662,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="publish KV-cache events (vLLM's format: BlockStored / BlockRemoved) on a ZMQ "
         "PUB socket bound here, for vllm-router --policy kv_aware --kv-event-source "
         "WORKER_URL=tcp://HOST:PORT (one model only)",
+    )
+    p.add_argument(
+        "--kv-events-replay",
+        type=zmq_endpoint,
+        default=None,
+        metavar="tcp://HOST:PORT",
+        help="with --kv-events: a ZMQ ROUTER socket bound here answers a subscriber's "
+        "replay request (a start seq) with the batches it missed, from a buffer of the newest",
     )
     p.add_argument(
         "--speculative",

@@ -27,7 +27,16 @@ array ``[ts, [event, ...], data_parallel_rank]``, each event a tagged map::
 
 Hashes are the prefix cache's chained 128-bit block hashes (seeded from the
 model, as the disk tier's: the same in every process), sent as 16 big-endian
-bytes. Example::
+bytes.
+
+Replay (``replay_endpoint``, ``--kv-events-replay``): PUB drops whatever it
+sends before a subscriber's subscription arrives, and a subscriber that
+reconnects has a gap. As vLLM does, a ROUTER socket answers a request carrying
+a start ``seq`` (8 bytes, big-endian; ``[b"", seq]`` from a DEALER, or ``seq``
+from a REQ) with every batch still buffered from that ``seq`` on, one
+``[seq, payload]`` reply each, then the end marker ``[-1 (8 bytes, signed), b""]``.
+The newest ``replay_batches`` batches sent are kept. A malformed request gets
+the end marker alone. Example::
 
     pub = KVEventPublisher("tcp://127.0.0.1:5557")   # binds now, or raises KVEventsError
     pub.stored([h0, h1], None, tokens[:32], 16)
@@ -50,6 +59,12 @@ log = logging.getLogger("mlx_cairn.engine.kv_events")
 MAX_QUEUED_BATCHES = 4096
 #: How long closing waits for queued batches to go out.
 CLOSE_LINGER_S = 1.0
+#: Batches sent that a replay request can still get (as vLLM's default).
+REPLAY_BATCHES = 10_000
+#: The replay stream's last reply carries this ``seq``: -1, 8 bytes, signed.
+END_SEQ = (-1).to_bytes(8, "big", signed=True)
+#: How often the replay thread looks up from its socket to see if it should stop.
+REPLAY_POLL_MS = 100
 #: Where the events' blocks live (vLLM's name for the accelerator's pool).
 MEDIUM = "GPU"
 
@@ -104,7 +119,8 @@ def _encode_event(ev: _Event) -> dict[str, Any]:
 
 
 class KVEventPublisher:
-    """A ZMQ PUB socket bound to ``endpoint`` and the thread that sends on it.
+    """A ZMQ PUB socket bound to ``endpoint`` and the thread that sends on it; with
+    ``replay_endpoint``, a ROUTER socket there and a thread that answers replays.
 
     ``stored`` / ``removed`` / ``cleared`` / ``flush`` belong to one thread (the
     engine's); ``close`` and the counters may be used from any.
@@ -117,8 +133,14 @@ class KVEventPublisher:
         topic: bytes = b"",
         data_parallel_rank: int = 0,
         max_batches: int = MAX_QUEUED_BATCHES,
+        replay_endpoint: str | None = None,
+        replay_batches: int = REPLAY_BATCHES,
     ) -> None:
         check_endpoint(endpoint)
+        if replay_endpoint is not None:
+            check_endpoint(replay_endpoint)
+            if replay_endpoint == endpoint:
+                raise KVEventsError(f"the replay endpoint must differ from {endpoint}")
         try:
             import msgpack
             import zmq
@@ -128,6 +150,7 @@ class KVEventPublisher:
                 "pip install 'mlx-cairn[kv-events]'"
             ) from None
         self.endpoint = endpoint
+        self.replay_endpoint = replay_endpoint
         self.topic = topic
         self.data_parallel_rank = data_parallel_rank
         self.max_batches = max_batches
@@ -141,20 +164,46 @@ class KVEventPublisher:
         self._closing = False
         self._seq = 0
         self._packb = msgpack.packb
+        #: (seq, payload) of the newest batches sent, for replay (None without it).
+        self._sent: deque[tuple[int, bytes]] | None = None
+        self._sent_lock = threading.Lock()
         self._ctx = zmq.Context()
-        sock = self._ctx.socket(zmq.PUB)
+        opened: list[Any] = []
+        try:
+            sock = self._bind(zmq.PUB, endpoint, opened)
+            self._replay_sock = None
+            if replay_endpoint is not None:
+                self._replay_sock = self._bind(zmq.ROUTER, replay_endpoint, opened)
+                self._sent = deque(maxlen=max(1, replay_batches))
+        except KVEventsError:
+            for bound in opened:
+                bound.close(linger=0)
+            self._ctx.term()
+            raise
+        # Bound on this thread; from here on each belongs to its own thread.
+        self._sock = sock
+        self._thread = threading.Thread(target=self._send_loop, name="cairn-kv-events", daemon=True)
+        self._thread.start()
+        self._replay_thread: threading.Thread | None = None
+        if self._replay_sock is not None:
+            self._replay_thread = threading.Thread(
+                target=self._replay_loop, name="cairn-kv-replay", daemon=True
+            )
+            self._replay_thread.start()
+        _live.add(self)
+
+    def _bind(self, kind: int, endpoint: str, opened: list[Any]) -> Any:
+        """A socket of ``kind`` bound to ``endpoint`` (added to ``opened``)."""
+        import zmq
+
+        sock = self._ctx.socket(kind)
+        opened.append(sock)
         sock.setsockopt(zmq.LINGER, int(CLOSE_LINGER_S * 1000))
         try:
             sock.bind(endpoint)
         except zmq.ZMQError as e:
-            sock.close(linger=0)
-            self._ctx.term()
             raise KVEventsError(f"cannot bind {endpoint}: {e}") from None
-        # Bound on this thread; from here on only the sender thread touches it.
-        self._sock = sock
-        self._thread = threading.Thread(target=self._send_loop, name="cairn-kv-events", daemon=True)
-        self._thread.start()
-        _live.add(self)
+        return sock
 
     # ------------------------------------------------------------ engine thread
 
@@ -208,6 +257,9 @@ class KVEventPublisher:
                         use_bin_type=True,
                     )
                     sock.send_multipart([self.topic, self._seq.to_bytes(8, "big"), payload])
+                    if self._sent is not None:
+                        with self._sent_lock:
+                            self._sent.append((self._seq, payload))
                     self._seq += 1
                     self.sent += 1
                 except Exception:  # a cache hint: never take the server down over it
@@ -215,6 +267,38 @@ class KVEventPublisher:
                     log.exception("KV events: a batch could not be sent")
         finally:
             sock.close()
+
+    # ------------------------------------------------------------ replay thread
+
+    def _replay_loop(self) -> None:
+        sock = self._replay_sock
+        try:
+            while not self._closing:
+                if not sock.poll(REPLAY_POLL_MS):
+                    continue
+                try:
+                    self._answer_replay(sock, sock.recv_multipart())
+                except Exception:  # a cache hint: never take the server down over it
+                    log.exception("KV events: a replay request could not be answered")
+        finally:
+            sock.close(linger=0)
+
+    def _answer_replay(self, sock: Any, frames: list[bytes]) -> None:
+        """``frames`` is ``[identity, b"", start seq]``: send the batches buffered from
+        that seq on, then the end marker (alone when the request is malformed)."""
+        if len(frames) < 2:
+            return  # no envelope to answer on
+        ident, start = frames[0], frames[-1]
+        if len(frames) == 3 and not frames[1] and len(start) == 8:
+            first = int.from_bytes(start, "big")
+            with self._sent_lock:
+                assert self._sent is not None
+                batches = [(seq, p) for seq, p in self._sent if seq >= first]
+            for seq, payload in batches:
+                sock.send_multipart([ident, b"", seq.to_bytes(8, "big"), payload])
+        else:
+            log.debug("KV events: a malformed replay request (%d frames)", len(frames))
+        sock.send_multipart([ident, b"", END_SEQ, b""])
 
     # ------------------------------------------------------------------ any thread
 
@@ -226,7 +310,9 @@ class KVEventPublisher:
             self._closing = True
             self._cond.notify_all()
         self._thread.join(timeout)
-        if not self._thread.is_alive():
+        if self._replay_thread is not None:
+            self._replay_thread.join(timeout)
+        if not any(t is not None and t.is_alive() for t in (self._thread, self._replay_thread)):
             self._ctx.term()
         _live.discard(self)
 
