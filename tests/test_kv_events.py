@@ -396,6 +396,10 @@ def test_across_ranks_rank_zero_publishes(tmp_path):
         assert batches[seqs[0] :] == live
         events = [e for _, evs in batches for e in evs]
         assert events[0] == {"type": "AllBlocksCleared"}  # the engine's start
+        metrics = httpx.get(url + "/metrics", timeout=30).text
+        sent = f'cairn_kv_event_batches_total{{model="tiny-llama",outcome="sent"}} {len(batches)}.0'
+        assert sent in metrics, metrics
+        assert 'outcome="dropped"} 0.0' in metrics
         stored = [e for e in events if e["type"] == "BlockStored"]
         # One chain from the first block: parents link, and the hashes are the
         # disk tier's for the token ids carried (seeded by the served identity).

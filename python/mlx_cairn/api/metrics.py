@@ -25,6 +25,7 @@ Families (``model`` is a served model's primary name)::
     cairn_generated_tokens_total{model}                  counter
     cairn_preemptions_total{model}                       counter
     cairn_engine_requests_total{model,outcome}           counter    (completed / failed / cancelled)
+    cairn_kv_event_batches_total{model,outcome}          counter    (--kv-events: sent / dropped)
 
 A client that disconnects while sending its body gets no answer; it is
 counted with ``status="499"`` (nginx's "client closed request"), not as a 500.
@@ -191,6 +192,12 @@ class _EngineCollector:
             "the acceptance rate).",
             ["model", "kind"],
         )
+        kv_events = counter(
+            "cairn_kv_event_batches",
+            "KV-event batches for a router (--kv-events): sent, or dropped while the "
+            "sender was behind.",
+            ["model", "outcome"],
+        )
         spec_rows = counter(
             "cairn_speculative_verify_rows",
             "Verify rows run (one per request and step).",
@@ -233,6 +240,8 @@ class _EngineCollector:
             (spec, ("draft",), "spec_draft_tokens"),
             (spec, ("accepted",), "spec_accepted_tokens"),
             (spec_rows, (), "spec_verify_rows"),
+            (kv_events, ("sent",), "kv_events_batches"),
+            (kv_events, ("dropped",), "kv_events_dropped"),
         )
         # The registry's own per-model fields (absent or None on a model never loaded: 0).
         per_model: tuple[tuple[Family, str], ...] = (
@@ -276,6 +285,7 @@ class _EngineCollector:
             disk_s,
             spec,
             spec_rows,
+            kv_events,
         )
         yield from (memory, last_used, load_s, loads, unloads)
 
