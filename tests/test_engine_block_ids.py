@@ -8,7 +8,8 @@ allocated again.
 
 from __future__ import annotations
 
-from mlx_cairn.engine.scheduler import Scheduler, StepPlan
+from mlx_cairn.engine.plan import StepPlan
+from mlx_cairn.engine.scheduler import Scheduler
 from mlx_cairn.kv import BlockPool, PrefixCache
 from test_engine_prefix_chain import _seq
 

@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 
 from mlx_cairn.engine import Engine, EngineConfig
-from mlx_cairn.engine.scheduler import StepPlan
+from mlx_cairn.engine.plan import StepPlan
 from mlx_cairn.testing.engine_checks import assert_at_rest
 from mlx_cairn.types import ChatRequest, Done, Error, Message, SamplingParams, TextDelta
 from scripted_model import say, scripted_model

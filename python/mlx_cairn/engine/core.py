@@ -29,8 +29,8 @@ from mlx_cairn.engine.hybrid_state import StateSlots
 from mlx_cairn.engine.logits import masks_for
 from mlx_cairn.engine.model_runner import SampledStep, StepOutput, merge_outputs, read_verified
 from mlx_cairn.engine.parts import EngineParts
+from mlx_cairn.engine.plan import StepPlan
 from mlx_cairn.engine.residency import save_resident
-from mlx_cairn.engine.scheduler import StepPlan
 from mlx_cairn.engine.sequence import Sequence
 from mlx_cairn.engine.update import RowResult
 from mlx_cairn.kv import BlockPool, PrefixCache

@@ -28,7 +28,7 @@ from typing import Any
 import mlx.core as mx
 
 from mlx_cairn.engine.paged import KVPools, PagedKVCache
-from mlx_cairn.engine.scheduler import RowPlan
+from mlx_cairn.engine.plan import RowPlan
 
 #: Longest catch-up chunk per draft call (a long prompt is taken in several).
 CATCH_UP_CHUNK = 512

@@ -39,8 +39,8 @@ import mlx.core as mx
 from mlx_cairn.engine import logits as _logits
 from mlx_cairn.engine import speculate
 from mlx_cairn.engine.paged import KVPools, PagedKVCache
+from mlx_cairn.engine.plan import RowPlan, StepPlan
 from mlx_cairn.engine.sampler import sample_rows
-from mlx_cairn.engine.scheduler import RowPlan, StepPlan
 
 #: A prefill chunk of at least this many tokens runs in a forward call of its own
 #: (runner._prefill_groups): batching it saves little and padding costs a lot.

@@ -26,8 +26,9 @@ from typing import Any
 
 from mlx_cairn.engine.model_runner import SampledStep, StepOutput
 from mlx_cairn.engine.output import SequenceOutput, token_text
+from mlx_cairn.engine.plan import RowPlan, StepPlan
 from mlx_cairn.engine.reasoning import ReasoningBudget
-from mlx_cairn.engine.scheduler import RowPlan, Scheduler, StepPlan
+from mlx_cairn.engine.scheduler import Scheduler
 from mlx_cairn.engine.sequence import Sequence
 from mlx_cairn.types import (
     Admitted,
