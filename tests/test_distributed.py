@@ -26,7 +26,6 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -216,13 +215,11 @@ def test_a_rank_that_stops_answering_ends_the_group(model_dir: Path, tmp_path: P
     with _ranks(model_dir / "tiny-llama", tmp_path, timeout=3) as (url, (r0, r1)):
         _ask(url)
         os.kill(r1.pid, signal.SIGSTOP)  # alive, silent: only the watchdog notices
-        t0 = time.monotonic()
         with pytest.raises(openai.APIStatusError) as err:
             _ask(url)
         assert err.value.status_code == 503
         assert "rank" in str(err.value.message)
-        assert r0.wait(15) == EXIT_RANK_LOST
-        assert time.monotonic() - t0 < 15
+        assert r0.wait(15) == EXIT_RANK_LOST  # the watchdog ends rank 0 in bounded time
 
 
 def test_rank_zero_dying_ends_the_followers(model_dir: Path, tmp_path: Path) -> None:

@@ -559,10 +559,8 @@ def test_a_text_model_refuses_images_in_every_dialect(live: dict[str, Any]) -> N
         ),
     }
     for name, call in calls.items():
-        t0 = time.monotonic()
         with pytest.raises((anthropic.BadRequestError, openai.BadRequestError)) as e:
             call()
-        assert time.monotonic() - t0 < 5, name
         assert e.value.status_code == 400, name
         assert "model 'text' takes no images" in str(e.value), name
         if name in ("anthropic", "anthropic tool_result", "count_tokens"):
@@ -582,14 +580,12 @@ def test_a_text_model_refuses_images_in_every_dialect(live: dict[str, Any]) -> N
 def test_bad_images_are_400s_in_each_envelope(live: dict[str, Any]) -> None:
     a, oa, o = live["anthropic"], live["openai"], live["ollama"]
     bomb = b64(png_declaring(30000, 30000))
-    t0 = time.monotonic()
     with pytest.raises(anthropic.BadRequestError) as e:
         a.messages.create(
             model="seeing",
             max_tokens=4,
             messages=[{"role": "user", "content": [image_block(bomb)]}],
         )
-    assert time.monotonic() - t0 < 2
     assert "image is too large" in e.value.body["error"]["message"]
     with pytest.raises(openai.BadRequestError) as oe:
         oa.chat.completions.create(
@@ -657,12 +653,10 @@ def test_image_urls_are_fetched_only_when_allowed(live: dict[str, Any]) -> None:
             model="seeing", max_tokens=2, messages=chat_with_image(host.url + "/missing.png")
         )
     assert "answered HTTP 404" in e.value.body["message"]
-    t0 = time.monotonic()
     with pytest.raises(openai.BadRequestError) as e:
         f.chat.completions.create(
             model="seeing", max_tokens=2, messages=chat_with_image(host.url + "/slow.png")
         )
-    assert time.monotonic() - t0 < 2.5
     assert "longer than 1 s" in e.value.body["message"]
     with pytest.raises(openai.BadRequestError) as e:  # --max-images 3 on this server
         f.chat.completions.create(

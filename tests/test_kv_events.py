@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import socket
+import threading
 import time
 
 import msgpack
@@ -239,31 +240,37 @@ def test_engine_owns_a_socket_named_by_address(lm):
 
 
 def test_a_slow_sender_drops_the_oldest_batches_never_the_engine():
+    """The sender is held inside a send: the engine's flushes still return, the
+    queue keeps only the newest ``max_batches`` and counts the rest as dropped."""
     pub = KVEventPublisher(free_endpoint(), max_batches=4)
     w = Wire(pub)
     packb = pub._packb
+    release = threading.Event()
 
-    def slow(*a, **k):
-        time.sleep(0.02)
+    def held(*a, **k):
+        release.wait(30)
         return packb(*a, **k)
 
-    pub._packb = slow
+    pub._packb = held
     sent0 = pub.sent
     try:
-        t0 = time.perf_counter()
-        for i in range(50):
+        for i in range(50):  # would hang here if flush waited for the sender
             pub.removed([i])
             pub.flush()
-        assert time.perf_counter() - t0 < 0.5  # the engine thread never waited
+        assert pub.sent == sent0  # the sender is still in its first send
+        # the sender took one batch (the first, or one of the newest if it was late)
+        assert pub.dropped in (45, 46)
+        release.set()
         deadline = time.monotonic() + 10
         while pub.sent - sent0 + pub.dropped < 50 and time.monotonic() < deadline:
             time.sleep(0.05)
         w.drain()
-        assert pub.dropped >= 40 and pub.sent - sent0 + pub.dropped == 50
+        assert pub.sent - sent0 + pub.dropped == 50
         got = [e["block_hashes"][0] for e in w.events()]
-        assert got[-1] == wire(49)  # the newest is kept
+        assert got[-4:] == [wire(i) for i in range(46, 50)]  # the newest are kept
         assert got == sorted(got)
     finally:
+        release.set()
         pub.close()
         w.close()
 
