@@ -36,7 +36,6 @@ from mlx_cairn.api.connection import http_protocol
 from mlx_cairn.api.registry import DEFAULT_LOAD_WAIT, ModelRegistry
 from mlx_cairn.api.settings import ServerConfig
 from mlx_cairn.cli.options import add_arguments as add_arguments  # the subcommand's flags
-from mlx_cairn.cli.options import zmq_endpoint
 from mlx_cairn.errors import KVPoolSizeError
 from mlx_cairn.protocol.images import (
     DEFAULT_IMAGE_URL_TIMEOUT,
@@ -195,8 +194,8 @@ def build(
         from mlx_cairn.engine.kv_events import KVEventPublisher, KVEventsError
 
         try:  # bound now, so a busy port is refused before any model loads
-            publisher = KVEventPublisher(zmq_endpoint(kv_events), replay_endpoint=kv_replay)
-        except (KVEventsError, argparse.ArgumentTypeError) as e:
+            publisher = KVEventPublisher(kv_events, replay_endpoint=kv_replay)
+        except KVEventsError as e:  # a bad address (the publisher checks it) or a busy port
             raise ServeError(f"--kv-events: {e}") from None
 
     draft_source = getattr(args, "draft_model", None)
