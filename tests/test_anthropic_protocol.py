@@ -128,6 +128,8 @@ BAD = [
     (base(stop_sequences=[""]), "stop_sequences[0]"),
     (base(stop_sequences=["x"] * 65), "stop_sequences"),
     (base(stream="yes"), "stream"),
+    (base(cache_salt=""), "cache_salt"),
+    (base(cache_salt=7), "cache_salt"),
 ]
 
 
@@ -241,6 +243,7 @@ def test_options_mapping() -> None:
         == "required"
     )
     assert parse(base()).chat.reasoning is False  # Anthropic: thinking is off unless asked
+    assert c.cache_salt is None and parse(base(cache_salt="t1")).chat.cache_salt == "t1"
 
 
 def test_title_request_gets_a_small_cap_and_no_reasoning() -> None:

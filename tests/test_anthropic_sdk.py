@@ -190,6 +190,24 @@ def test_prefix_reuse_is_reported(server: Any) -> None:
     assert_at_rest(engine)
 
 
+def test_cache_salt_separates_prefixes(server: Any) -> None:
+    """``cache_salt`` (an extra field): a different salt reads nothing from the cache."""
+    client, engine = server
+    system = "You answer in one short sentence and never more than that. " * 20
+    kw = {"model": "scripted", "max_tokens": 8, "system": system, "messages": ask("salted")}
+
+    def read(salt: str) -> int:
+        msg = client.messages.create(extra_body={"cache_salt": salt}, **kw)
+        return msg.usage.cache_read_input_tokens
+
+    assert read("tenant-a") == 0
+    assert read("tenant-b") == 0
+    assert read("tenant-a") > 0
+    with pytest.raises(anthropic.BadRequestError, match="cache_salt"):
+        client.messages.create(extra_body={"cache_salt": ""}, **kw)
+    assert_at_rest(engine)
+
+
 # ------------------------------------------------------------------ property
 
 SAFE = st.text(

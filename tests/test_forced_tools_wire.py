@@ -4,13 +4,15 @@ The embedded SmolLM2 would rather ramble: left alone it writes the same call
 again and again. A named choice is exactly one call of that tool and the turn
 ends (``tool_calls`` / ``tool_use``); ``required`` / ``any`` is at least one
 call, after which the model may stop. In every dialect, at temperature 0 and
-0.8, the streamed answer (the SDK's own stream helper, which parses the
-argument deltas) equals the JSON one and no markup reaches the text.
+0.8, every answer is right when the requests batch and no markup reaches the
+text; sent alone, the streamed answer (the SDK's own stream helper, which
+parses the argument deltas) equals the JSON one.
 """
 
 from __future__ import annotations
 
 import json
+import uuid
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -81,12 +83,32 @@ def check_calls(calls: list[tuple[str, str]], want: str | None) -> None:
         jsonschema.validate(json.loads(args), closed)
 
 
-def both(fn: Callable[[bool], Any], cases: list[Any]) -> list[tuple[Any, Any]]:
-    """``fn(stream)`` for every case, streamed and not, sent together so they batch."""
-    with ThreadPoolExecutor(len(cases) * 2) as pool:
-        whole = [pool.submit(fn, c, False) for c in cases]
-        streamed = [pool.submit(fn, c, True) for c in cases]
-        return [(w.result(), s.result()) for w, s in zip(whole, streamed, strict=True)]
+Run = Callable[[Any, bool, str], Any]
+
+
+#: The case whose streamed and JSON answers are compared, by temperature: a
+#: ``required`` choice (calls may follow one another) and a named tool.
+PAIRED = {0.0: CASES[0], 0.8: CASES[2]}
+
+
+def both(fn: Run, temperature: float) -> tuple[list[tuple[Any, Any]], tuple[Any, Any]]:
+    """``fn(case, stream, cache_salt)``: every case at once, then one case twice alone.
+
+    All at once (streamed and not by turns), so they batch: every answer must be
+    right. Batched, a row's logits depend on the rows beside it in each step
+    (products of other shapes round differently), so a sampled answer may take
+    another path: equality is not asked there. Then :data:`PAIRED`'s case, JSON
+    and streamed one after the other, each under a salt of its own (no cached
+    prefix): the two come from the same computation and must be equal. Returns
+    every (case, answer) and the (JSON, streamed) pair.
+    """
+    salt = uuid.uuid4().hex
+    with ThreadPoolExecutor(len(CASES)) as pool:
+        jobs = [(c, pool.submit(fn, c, i % 2 == 1, salt)) for i, c in enumerate(CASES)]
+        batched = [(c, j.result()) for c, j in jobs]
+    case = PAIRED[temperature]
+    pair = (fn(case, False, uuid.uuid4().hex), fn(case, True, uuid.uuid4().hex))
+    return [*batched, (case, pair[0]), (case, pair[1])], pair
 
 
 @pytest.mark.parametrize("temperature", [0.0, 0.8])
@@ -97,7 +119,7 @@ def test_chat_completions(live, temperature):
         for n, s in SCHEMAS.items()
     ]
 
-    def run(case: tuple[str, str | None], stream: bool) -> Any:
+    def run(case: tuple[str, str | None], stream: bool, salt: str) -> Any:
         prompt, want = case
         choice = "required" if want is None else {"type": "function", "function": {"name": want}}
         kw: dict[str, Any] = {
@@ -108,6 +130,7 @@ def test_chat_completions(live, temperature):
             "temperature": temperature,
             "seed": 3,
             "max_tokens": MAX_TOKENS,
+            "extra_body": {"cache_salt": salt},
         }
         if not stream:
             return client.chat.completions.create(**kw)
@@ -116,21 +139,16 @@ def test_chat_completions(live, temperature):
                 pass
             return s.get_final_completion()
 
-    for (prompt, want), (whole, streamed) in zip(CASES, both(run, CASES), strict=True):
-        for out in (whole, streamed):
-            c = out.choices[0]
-            assert c.finish_reason == "tool_calls", (prompt, out)
-            assert not (c.message.content or "").strip(), out
-            check_calls(
-                [(t.function.name, t.function.arguments) for t in c.message.tool_calls], want
-            )
-        calls = [
-            (t.function.name, t.function.arguments) for t in whole.choices[0].message.tool_calls
-        ]
-        got = [
-            (t.function.name, t.function.arguments) for t in streamed.choices[0].message.tool_calls
-        ]
-        assert got == calls
+    def calls(out: Any) -> list[tuple[str, str]]:
+        return [(t.function.name, t.function.arguments) for t in out.choices[0].message.tool_calls]
+
+    runs, (whole, streamed) = both(run, temperature)
+    for (prompt, want), out in runs:
+        c = out.choices[0]
+        assert c.finish_reason == "tool_calls", (prompt, out)
+        assert not (c.message.content or "").strip(), out
+        check_calls(calls(out), want)
+    assert calls(streamed) == calls(whole)
 
 
 @pytest.mark.parametrize("temperature", [0.0, 0.8])
@@ -138,7 +156,7 @@ def test_responses(live, temperature):
     client: openai.OpenAI = live["openai"]
     tools = [{"type": "function", "name": n, "parameters": s} for n, s in SCHEMAS.items()]
 
-    def run(case: tuple[str, str | None], stream: bool) -> Any:
+    def run(case: tuple[str, str | None], stream: bool, salt: str) -> Any:
         prompt, want = case
         kw: dict[str, Any] = {
             "model": "smol",
@@ -147,7 +165,7 @@ def test_responses(live, temperature):
             "tool_choice": "required" if want is None else {"type": "function", "name": want},
             "temperature": temperature,
             "max_output_tokens": MAX_TOKENS,
-            "extra_body": {"seed": 3},
+            "extra_body": {"seed": 3, "cache_salt": salt},
         }
         if not stream:
             return client.responses.create(**kw)
@@ -156,16 +174,15 @@ def test_responses(live, temperature):
                 pass
             return s.get_final_response()
 
-    for (prompt, want), (whole, streamed) in zip(CASES, both(run, CASES), strict=True):
-        for out in (whole, streamed):
-            assert out.status == "completed", (prompt, out)
-            assert not out.output_text.strip(), out
-            check_calls(
-                [(o.name, o.arguments) for o in out.output if o.type == "function_call"], want
-            )
-        calls = [(o.name, o.arguments) for o in whole.output if o.type == "function_call"]
-        got = [(o.name, o.arguments) for o in streamed.output if o.type == "function_call"]
-        assert got == calls
+    def calls(out: Any) -> list[tuple[str, str]]:
+        return [(o.name, o.arguments) for o in out.output if o.type == "function_call"]
+
+    runs, (whole, streamed) = both(run, temperature)
+    for (prompt, want), out in runs:
+        assert out.status == "completed", (prompt, out)
+        assert not out.output_text.strip(), out
+        check_calls(calls(out), want)
+    assert calls(streamed) == calls(whole)
 
 
 @pytest.mark.parametrize("temperature", [0.0, 0.8])
@@ -173,7 +190,7 @@ def test_anthropic(live, temperature):
     client: anthropic.Anthropic = live["anthropic"]
     tools = [{"name": n, "description": n, "input_schema": s} for n, s in SCHEMAS.items()]
 
-    def run(case: tuple[str, str | None], stream: bool) -> Any:
+    def run(case: tuple[str, str | None], stream: bool, salt: str) -> Any:
         prompt, want = case
         kw: dict[str, Any] = {
             "model": "smol",
@@ -181,21 +198,21 @@ def test_anthropic(live, temperature):
             "messages": [{"role": "user", "content": prompt}],
             "tools": tools,
             "tool_choice": {"type": "any"} if want is None else {"type": "tool", "name": want},
-            "extra_body": {"temperature": temperature, "seed": 3},
+            "extra_body": {"temperature": temperature, "seed": 3, "cache_salt": salt},
         }
         if not stream:
             return client.messages.create(**kw)
         with client.messages.stream(**kw) as s:
             return s.get_final_message()
 
-    for (prompt, want), (whole, streamed) in zip(CASES, both(run, CASES), strict=True):
-        for out in (whole, streamed):
-            assert out.stop_reason == "tool_use", (prompt, out)
-            assert all(b.type == "tool_use" for b in out.content), out
-            check_calls([(b.name, json.dumps(b.input)) for b in out.content], want)
-        assert [b.model_dump(exclude={"id"}) for b in streamed.content] == [
-            b.model_dump(exclude={"id"}) for b in whole.content
-        ]
+    runs, (whole, streamed) = both(run, temperature)
+    for (prompt, want), out in runs:
+        assert out.stop_reason == "tool_use", (prompt, out)
+        assert all(b.type == "tool_use" for b in out.content), out
+        check_calls([(b.name, json.dumps(b.input)) for b in out.content], want)
+    assert [b.model_dump(exclude={"id"}) for b in streamed.content] == [
+        b.model_dump(exclude={"id"}) for b in whole.content
+    ]
 
 
 @pytest.mark.parametrize("max_tokens", [6, 14, 40])

@@ -32,6 +32,8 @@ Mapping rules:
   ``frequency_penalty``, ``presence_penalty``, ``repetition_penalty`` and
   ``logit_bias``, with the OpenAI dialects' rules
   (:mod:`mlx_cairn.protocol.sampling`). The Messages API has no logprobs.
+- ``cache_salt`` (an extra field, as in the OpenAI dialects and vLLM):
+  requests with different salts share no cached prefix.
 """
 
 from __future__ import annotations
@@ -44,6 +46,7 @@ import orjson
 from mlx_cairn.errors import InvalidRequest
 from mlx_cairn.protocol.codec import (
     MEDIA_PLACEHOLDER,
+    cache_salt,
     each_object,
     fail,
     is_int,
@@ -167,6 +170,7 @@ def _parse(
         reasoning_budget=budget,
         parallel_tool_calls=parallel,
         output_format=output,
+        cache_salt=cache_salt(body),
         speculative=speculative_switch(body),
         history_as_generated=_keeps_all_thinking(body.get("context_management")),
     )

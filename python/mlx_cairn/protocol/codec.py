@@ -132,6 +132,16 @@ def speculative_switch(body: dict[str, Any]) -> bool | None:
     return v
 
 
+def cache_salt(body: dict[str, Any]) -> str | None:
+    """``cache_salt`` (as in vLLM): requests with different salts share no cached prefix."""
+    v = body.get("cache_salt")
+    if v is None:
+        return None
+    if not isinstance(v, str) or not v:
+        raise fail("cache_salt", "must be a non-empty string")
+    return v
+
+
 def tool_call_as_text(ev: ToolCall) -> str:
     """A tool call the response may not carry as a tool call, as the text the model meant."""
     try:

@@ -37,7 +37,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from mlx_cairn.errors import InvalidRequest, error_kind
-from mlx_cairn.protocol.codec import WireEvent, fail
+from mlx_cairn.protocol.codec import WireEvent, cache_salt, fail
 from mlx_cairn.protocol.frames import comment
 from mlx_cairn.protocol.openai_common import opt_bool, stop_list
 from mlx_cairn.protocol.sampling import bounded, integer, number
@@ -136,9 +136,6 @@ def parse_infill_request(body: Any, *, max_tokens_limit: int, default_model: str
     for key in ("presence_penalty", "frequency_penalty"):
         if (v := bounded(body, key)) is not None:
             setattr(sp, key, v)
-    salt = body.get("cache_salt")
-    if salt is not None and (not isinstance(salt, str) or not salt):
-        raise fail("cache_salt", "must be a non-empty string")
     chat = ChatRequest(
         messages=[],
         raw=raw,
@@ -146,7 +143,7 @@ def parse_infill_request(body: Any, *, max_tokens_limit: int, default_model: str
         max_tokens=max_tokens_limit if n is None or n == -1 else n,
         sampling=sp,
         stop=stop_list(body.get("stop")),
-        cache_salt=salt,
+        cache_salt=cache_salt(body),
     )
     return InfillRequest(chat, model, opt_bool(body, "stream", False), open_ended)
 

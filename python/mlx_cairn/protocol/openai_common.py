@@ -29,6 +29,7 @@ from mlx_cairn.errors import error_kind
 from mlx_cairn.protocol.codec import (
     MEDIA_PLACEHOLDER,
     WireEvent,
+    cache_salt,
     fail,
     is_int,
     new_id,
@@ -160,16 +161,6 @@ def metadata_map(raw: Any, param: str = "metadata") -> dict[str, str] | None:
         if len(v) > METADATA_MAX_VALUE_CHARS:
             raise fail(f"{param}.{short(k)}", f"at most {METADATA_MAX_VALUE_CHARS} characters")
     return dict(raw)
-
-
-def cache_salt(body: dict[str, Any]) -> str | None:
-    """``cache_salt`` (as in vLLM): requests with different salts share no cached prefix."""
-    v = body.get("cache_salt")
-    if v is None:
-        return None
-    if not isinstance(v, str) or not v:
-        raise fail("cache_salt", "must be a non-empty string")
-    return v
 
 
 def reasoning_switch(effort: Any, param: str) -> bool | None:

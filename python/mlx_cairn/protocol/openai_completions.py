@@ -47,6 +47,7 @@ from typing import Any
 from mlx_cairn.errors import InvalidRequest, error_kind
 from mlx_cairn.protocol.codec import (
     WireEvent,
+    cache_salt,
     is_int,
     required_model,
     speculative_switch,
@@ -56,7 +57,6 @@ from mlx_cairn.protocol.codec import (
 )
 from mlx_cairn.protocol.openai_common import (
     ChunkWire,
-    cache_salt,
     chunk_payloads,
     error_body,
     fail,
