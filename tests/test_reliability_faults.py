@@ -66,14 +66,17 @@ def env() -> Iterator[dict[str, Any]]:
     )
     hook = FaultHook()
     single._fault_hook = hook
-    # 13 usable blocks of 8 tokens: each request below needs 7-8, so two at a time
-    # already run the pool dry and force preemption and queueing.
+    # 13 usable blocks of 8 tokens. Each request below prompts 39-47 tokens (5-6
+    # blocks) and answers 17-22 (8-9 blocks in all): two fit at admission, a third
+    # queues, and the two cannot both finish without one preempting the other.
     tiny = Engine(
         scripted_model("tiny"), EngineConfig(num_blocks=14, block_size=8, max_batch=8, max_queue=64)
     )
+    tiny_hook = FaultHook()
+    tiny._fault_hook = tiny_hook
     registry = registry_for({"single": single, "tiny": tiny})
     with serve(registry, ServerConfig(ping_interval=0.2)) as srv:
-        yield {"url": srv.url, "single": single, "tiny": tiny, "hook": hook}
+        yield {"url": srv.url, "single": single, "tiny": tiny, "hook": hook, "tiny_hook": tiny_hook}
     single.close()
     tiny.close()
 
@@ -172,14 +175,26 @@ def test_tiny_pool_preempts_and_queues_without_client_errors(env):
     url, engine = env["url"], env["tiny"]
     before = engine.stats()
     dialects = ["anthropic", "chat", "responses"]
-    jobs = [(dialects[i % 3], f"w{i} " + "z" * (i % 5), i % 2 == 0) for i in range(18)]
+    jobs = [(dialects[i % 3], f"w{i} " + "z" * (14 + i % 5), i % 2 == 0) for i in range(18)]
 
     def run(job: tuple[str, str, bool]) -> tuple[str, str, httpx.Response]:
         dialect, text, stream = job
         return dialect, text, post(url, dialect, "tiny", say(text), stream=stream)
 
+    # The engine is held at the first job's step until every other job has queued,
+    # so the scheduler meets them all at once however slowly they arrive.
+    hook = env["tiny_hook"]
+    hook.arm()
     with ThreadPoolExecutor(len(jobs)) as pool:
-        results = list(pool.map(run, jobs, timeout=90))
+        first = pool.submit(run, jobs[0])
+        assert hook.entered.wait(WAIT), "the engine never reached the step"
+        rest = [pool.submit(run, job) for job in jobs[1:]]
+        gate = threading.Event()
+        for _ in range(int(WAIT / 0.01)):  # bounded: a request that fails never queues
+            if engine.stats().queue_depth >= len(rest) or gate.wait(0.01):
+                break
+        hook.release.set()
+        results = [f.result(90) for f in [first, *rest]]
     for (dialect, text, r), (_, _, stream) in zip(results, jobs, strict=True):
         assert r.status_code == 200, (dialect, r.text)
         if stream:
