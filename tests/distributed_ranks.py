@@ -123,7 +123,7 @@ def workload(url: str, model: str) -> dict[str, Any]:
 
 def cancel_beside(client: Any, model: str) -> tuple[str | None, int, bool]:
     """A streamed request the client closes after a few chunks, while a plain request
-    runs beside it; returns the plain one's answer, the chunks read before closing,
+    (sent once the stream's first chunk came) runs beside it; returns the plain one's answer, the chunks read before closing,
     and whether the plain one was still running then."""
     other: list[Any] = [None, 0.0]
 
@@ -137,7 +137,6 @@ def cancel_beside(client: Any, model: str) -> tuple[str | None, int, bool]:
         other[:] = [r.choices[0].message.content, time.monotonic()]
 
     t = threading.Thread(target=plain)
-    t.start()
     stream = client.chat.completions.create(
         model=model,
         messages=[{"role": "user", "content": QUESTIONS[3]}],
@@ -148,10 +147,14 @@ def cancel_beside(client: Any, model: str) -> tuple[str | None, int, bool]:
     seen = 0
     for c in stream:
         seen += bool(c.choices and c.choices[0].delta.content)
+        if seen == 1 and t.ident is None:
+            t.start()  # once the stream runs: the plain one cannot finish first
         if seen >= 2:
             break
     stream.close()  # the server notices the closed connection and cancels
     closed = time.monotonic()
+    if t.ident is None:  # the stream said nothing: the plain one runs alone
+        t.start()
     t.join()
     return other[0], seen, other[1] > closed
 
@@ -207,6 +210,16 @@ def tiny_pool(distributed: Any) -> Iterator[None]:
                     config or EngineConfig(), kv_cache_gb=None, num_blocks=TINY_POOL_BLOCKS + 1
                 )
                 super().__init__(loaded, config, **kwargs)
+                self._fault_hook = self._gather_first_step
+
+            def _gather_first_step(self) -> None:
+                # The first step waits (bounded) until the other requests have
+                # queued: they meet in the pool at once, however slowly they arrive.
+                self._fault_hook = None
+                for _ in range(500):
+                    if self.stats().queue_depth >= len(QUESTIONS) - 1:
+                        return
+                    time.sleep(0.01)
 
         return TinyPool
 

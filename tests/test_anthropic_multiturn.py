@@ -18,7 +18,7 @@ import anthropic
 import httpx
 import pytest
 
-from live_server import registry_for, serve, sse_events
+from live_server import registry_for, serve, sse_events, wait_until
 from mlx_cairn.api import ServerConfig
 from mlx_cairn.engine import Engine, EngineConfig
 from mlx_cairn.testing.engine_checks import assert_at_rest
@@ -186,7 +186,7 @@ def test_pings_keep_a_queued_stream_alive_until_message_start() -> None:
                 },
             )
             busy.start()
-            time.sleep(0.2)  # the only batch slot is taken
+            wait_until(lambda: engine.stats().running == 1, "the busy request never ran", 30)
             body = {
                 "model": "scripted",
                 "max_tokens": 16,

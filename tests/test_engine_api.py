@@ -176,7 +176,9 @@ def test_fault_mid_decode_fails_the_batch_but_not_the_queue(lm):
 
     e._fault_hook = hook
     try:
-        batch = [e.submit(req(f"first {i}", max_tokens=40)) for i in range(2)]
+        ready = [e.prepare(req(f"first {i}", max_tokens=40)) for i in range(2)]
+        with e._lock:  # both rows prefill in step 1
+            batch = [e.submit(r) for r in ready]
         queued = e.submit(req("queued"))  # max_batch=2: waits outside the batch
         for s in batch:
             last = list(s.iter_sync(TIMEOUT))[-1]

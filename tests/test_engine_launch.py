@@ -134,14 +134,15 @@ def test_mixed_steps_update_the_pools_in_place(lm, make_engine, apply_first):
     pools = engine._pools
     engine._fault_hook = lambda: seen.append(_addresses([*pools.k, *pools.v]))
     plans = record_plans(engine)
-    first = engine.submit(greedy("A first request that decodes for a while", max_tokens=16))
-    it = first.iter_sync(timeout=TIMEOUT)
-    next(it)  # it is decoding now
     late = [
         greedy("Hello world, how are you today? I am fine"),
         greedy("def add(x, y):\n    return x + y"),
     ]
-    streams = [engine.submit(r) for r in late]
+    ready = [engine.prepare(r) for r in late]  # templated now: submitted in a moment below
+    first = engine.submit(greedy("A first request that decodes for a while", max_tokens=16))
+    it = first.iter_sync(timeout=TIMEOUT)
+    next(it)  # it is decoding now
+    streams = [engine.submit(r) for r in ready]
     assert isinstance(list(it)[-1], Done)
     for r, s in zip(late, streams, strict=True):
         drain(s)

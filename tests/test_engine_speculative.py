@@ -258,7 +258,9 @@ def test_preemption_under_a_small_pool_keeps_outputs_exact(lm, spec, kv):
     # No decode share: rows side by side (the share may let one finish first).
     config = EngineConfig(**spec, **kw, num_blocks=40, block_size=4, max_batch=8, decode_share=0)
     with Engine(lm, config) as eng:
-        streams = [eng.submit(r) for r in reqs]
+        prepared = [eng.prepare(r) for r in reqs]
+        with eng._lock:  # submitted together: they meet in the pool however slow the machine
+            streams = [eng.submit(r) for r in prepared]
         for s, r in zip(streams, reqs, strict=True):
             list(s.iter_sync(timeout=TIMEOUT))
             assert s.output_ids == greedy_reference_at(lm, eng.prepare(r).prompt_ids, 40, **kw)

@@ -251,9 +251,9 @@ def send_from_another_process(url: str, body: bytes, n: int) -> list[list[Any]]:
     return json.loads(done.stdout)  # type: ignore[no-any-return]
 
 
-def settled_rss() -> int:
-    """The resident size once the trim after the last large job has run."""
-    trims = heavy.trim_count()
+def settled_rss(trims: int) -> int:
+    """The resident size once the trim after the last large job has run (``trims``:
+    the count before that work was sent; the trim may come before the client returns)."""
     wait_until(lambda: heavy.trim_count() > trims, "no trim after large work", 30)
     rss = heavy.rss_bytes()
     assert rss is not None
@@ -272,8 +272,9 @@ def test_memory_returns_to_its_warm_level_after_six_30mb_count_tokens(
     expect = httpx.post(url + "/v1/messages/count_tokens", content=count_body("x"), headers=HEADERS)
     # Warm: the server has answered a large request (its threads and their
     # allocator arenas exist) and handed the memory back.
+    trims = heavy.trim_count()
     assert send_from_another_process(url, body, 2) == [[200, expect.json()]] * 2
-    warm = settled_rss()
+    warm = settled_rss(trims)
 
     peak = [warm]
     stop = threading.Event()
@@ -284,6 +285,7 @@ def test_memory_returns_to_its_warm_level_after_six_30mb_count_tokens(
 
     sampler = threading.Thread(target=sample)
     sampler.start()
+    trims = heavy.trim_count()
     try:
         results = send_from_another_process(url, body, 6)
     finally:
@@ -291,6 +293,6 @@ def test_memory_returns_to_its_warm_level_after_six_30mb_count_tokens(
         sampler.join()
     # Every text between the template's tokens is one word to this tokenizer.
     assert results == [[200, expect.json()]] * 6
-    after = settled_rss()
+    after = settled_rss(trims)
     assert peak[0] > warm + 500 * 2**20  # the burst did take memory
     assert after <= warm * 1.10, (warm >> 20, peak[0] >> 20, after >> 20)

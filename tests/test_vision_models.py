@@ -122,7 +122,9 @@ def _generate(ids: Any, model: Any, inputs: Any, max_tokens: int, extra: Any) ->
 def run(
     engine: Engine, reqs: list[ChatRequest], logprobs: list[list[float]] | None = None
 ) -> list[tuple[list[int], Done, Admitted]]:
-    streams = [engine.submit(r) for r in reqs]
+    prepared = [engine.prepare(r) for r in reqs]
+    with engine._lock:  # submitted together: they share steps however slow the machine
+        streams = [engine.submit(p) for p in prepared]
     out = []
     for s in streams:
         events = list(s.iter_sync(timeout=120.0))
