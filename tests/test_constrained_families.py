@@ -16,6 +16,7 @@ from mlx_cairn import constrain
 from mlx_cairn._core import GrammarVocabulary
 from mlx_cairn.constrain.compile import compile_grammar
 from mlx_cairn.errors import InvalidRequest
+from mlx_cairn.testing.engine_checks import assert_at_rest
 from mlx_cairn.testing.tiny_models import tiny_model, tiny_tokenizer
 from mlx_cairn.text import keeps_special_tokens, parse_output, tool_schemas
 from mlx_cairn.types import ChatRequest, Message, Tool
@@ -348,6 +349,7 @@ def test_the_embedded_model_calls_in_every_family(default_model):
     import dataclasses
 
     from mlx_cairn.engine import Engine, EngineConfig
+    from mlx_cairn.engine.prepare import prepare
     from mlx_cairn.types import Done, SamplingParams, ToolCall
 
     cases = [
@@ -356,29 +358,37 @@ def test_the_embedded_model_calls_in_every_family(default_model):
         # Counted and patterned raw text: within llguidance's lexer budget on 49k tokens.
         ("File the book Dune, code 123.", "book"),
     ]
-    ended = 0
-    for family in FAMILIES:
-        lm = dataclasses.replace(default_model, parser_family=family)
-        engine = Engine(lm, EngineConfig(max_batch=4, num_blocks=256))
-        reqs = [
-            ChatRequest(
-                [Message("user", prompt)],
-                max_tokens=160,
-                sampling=SamplingParams(temperature=0.0),
-                tools=TOOLS[:3],
-                tool_choice={"name": name},
-                parallel_tool_calls=False,
-            )
-            for prompt, name in cases
-        ]
-        # The three prompts share the ~450-token tools prompt: one token of the first
-        # puts it in the prefix cache, so the batch prefills only what differs.
-        warm = dataclasses.replace(reqs[0], max_tokens=1)
-        list(engine.submit(engine.prepare(warm)).iter_sync(300))
-        prepared = [engine.prepare(r) for r in reqs]
+    reqs = [
+        ChatRequest(
+            [Message("user", prompt)],
+            max_tokens=160,
+            sampling=SamplingParams(temperature=0.0),
+            tools=TOOLS[:3],
+            tool_choice={"name": name},
+            parallel_tool_calls=False,
+        )
+        for prompt, name in cases
+    ]
+    # A request carries its family (grammar and output parser): every family's rows
+    # run in one engine, one batch, as one model's rows do on a server.
+    rows = len(FAMILIES) * len(cases)
+    engine = Engine(default_model, EngineConfig(max_batch=rows, num_blocks=512))
+    try:
+        prepared = []
+        for family in FAMILIES:
+            lm = dataclasses.replace(default_model, parser_family=family)
+            for r in reqs:
+                p = prepare(lm, r, context_length=engine.context_length, max_tokens_capacity=4096)
+                assert p.parser_family == family
+                prepared.append((family, p))
+        # Every prompt shares the ~450-token tools prompt: one token of the first puts
+        # it in the prefix cache, so the batch prefills only what differs.
+        warm = dataclasses.replace(prepared[0][1], max_tokens=1)
+        list(engine.submit(warm).iter_sync(300))
         with engine._lock:
-            streams = [engine.submit(p) for p in prepared]
-        for (_, name), s in zip(cases, streams, strict=True):
+            streams = [(family, engine.submit(p)) for family, p in prepared]
+        ended = 0
+        for (family, s), (_, name) in zip(streams, cases * len(FAMILIES), strict=True):
             events = list(s.iter_sync(300))
             calls = [e for e in events if isinstance(e, ToolCall)]
             done = events[-1]
@@ -390,5 +400,7 @@ def test_the_embedded_model_calls_in_every_family(default_model):
                 continue
             assert done.stop_reason == "tool_use" and len(calls) == 1, (family, events)
             ended += 1
+        assert_at_rest(engine)
+    finally:
         engine.close()
     assert ended >= 0.75 * len(FAMILIES) * len(cases), ended
