@@ -6,7 +6,8 @@ ends (``tool_calls`` / ``tool_use``); ``required`` / ``any`` is at least one
 call, after which the model may stop. In every dialect, at temperature 0 and
 0.8, every answer is right when the requests batch and no markup reaches the
 text; sent alone, the streamed answer (the SDK's own stream helper, which
-parses the argument deltas) equals the JSON one.
+parses the argument deltas) equals the JSON one. The batched requests of every
+dialect and temperature are sent together, once (the ``batched`` fixture).
 """
 
 from __future__ import annotations
@@ -59,7 +60,7 @@ MAX_TOKENS = 200
 
 @pytest.fixture(scope="module")
 def live(default_model) -> Iterator[dict[str, Any]]:
-    engine = Engine(default_model, EngineConfig(max_batch=16, num_blocks=2048))
+    engine = Engine(default_model, EngineConfig(max_batch=32, num_blocks=2048))
     try:
         with serve(registry_for({"smol": engine})) as srv:
             oa = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0)
@@ -83,43 +84,19 @@ def check_calls(calls: list[tuple[str, str]], want: str | None) -> None:
         jsonschema.validate(json.loads(args), closed)
 
 
-Run = Callable[[Any, bool, str], Any]
+Case = tuple[str, str | None]
+#: ``run(case, stream, cache_salt)``: one request in a dialect, the SDK's answer.
+Run = Callable[[Case, bool, str], Any]
 
 
-#: The case whose streamed and JSON answers are compared, by temperature: a
-#: ``required`` choice (calls may follow one another) and a named tool.
-PAIRED = {0.0: CASES[0], 0.8: CASES[2]}
-
-
-def both(fn: Run, temperature: float) -> tuple[list[tuple[Any, Any]], tuple[Any, Any]]:
-    """``fn(case, stream, cache_salt)``: every case at once, then one case twice alone.
-
-    All at once (streamed and not by turns), so they batch: every answer must be
-    right. Batched, a row's logits depend on the rows beside it in each step
-    (products of other shapes round differently), so a sampled answer may take
-    another path: equality is not asked there. Then :data:`PAIRED`'s case, JSON
-    and streamed one after the other, each under a salt of its own (no cached
-    prefix): the two come from the same computation and must be equal. Returns
-    every (case, answer) and the (JSON, streamed) pair.
-    """
-    salt = uuid.uuid4().hex
-    with ThreadPoolExecutor(len(CASES)) as pool:
-        jobs = [(c, pool.submit(fn, c, i % 2 == 1, salt)) for i, c in enumerate(CASES)]
-        batched = [(c, j.result()) for c, j in jobs]
-    case = PAIRED[temperature]
-    pair = (fn(case, False, uuid.uuid4().hex), fn(case, True, uuid.uuid4().hex))
-    return [*batched, (case, pair[0]), (case, pair[1])], pair
-
-
-@pytest.mark.parametrize("temperature", [0.0, 0.8])
-def test_chat_completions(live, temperature):
+def chat_run(live: dict[str, Any], temperature: float) -> Run:
     client: openai.OpenAI = live["openai"]
     tools = [
         {"type": "function", "function": {"name": n, "description": n, "parameters": s}}
         for n, s in SCHEMAS.items()
     ]
 
-    def run(case: tuple[str, str | None], stream: bool, salt: str) -> Any:
+    def run(case: Case, stream: bool, salt: str) -> Any:
         prompt, want = case
         choice = "required" if want is None else {"type": "function", "function": {"name": want}}
         kw: dict[str, Any] = {
@@ -139,24 +116,14 @@ def test_chat_completions(live, temperature):
                 pass
             return s.get_final_completion()
 
-    def calls(out: Any) -> list[tuple[str, str]]:
-        return [(t.function.name, t.function.arguments) for t in out.choices[0].message.tool_calls]
-
-    runs, (whole, streamed) = both(run, temperature)
-    for (prompt, want), out in runs:
-        c = out.choices[0]
-        assert c.finish_reason == "tool_calls", (prompt, out)
-        assert not (c.message.content or "").strip(), out
-        check_calls(calls(out), want)
-    assert calls(streamed) == calls(whole)
+    return run
 
 
-@pytest.mark.parametrize("temperature", [0.0, 0.8])
-def test_responses(live, temperature):
+def responses_run(live: dict[str, Any], temperature: float) -> Run:
     client: openai.OpenAI = live["openai"]
     tools = [{"type": "function", "name": n, "parameters": s} for n, s in SCHEMAS.items()]
 
-    def run(case: tuple[str, str | None], stream: bool, salt: str) -> Any:
+    def run(case: Case, stream: bool, salt: str) -> Any:
         prompt, want = case
         kw: dict[str, Any] = {
             "model": "smol",
@@ -174,23 +141,14 @@ def test_responses(live, temperature):
                 pass
             return s.get_final_response()
 
-    def calls(out: Any) -> list[tuple[str, str]]:
-        return [(o.name, o.arguments) for o in out.output if o.type == "function_call"]
-
-    runs, (whole, streamed) = both(run, temperature)
-    for (prompt, want), out in runs:
-        assert out.status == "completed", (prompt, out)
-        assert not out.output_text.strip(), out
-        check_calls(calls(out), want)
-    assert calls(streamed) == calls(whole)
+    return run
 
 
-@pytest.mark.parametrize("temperature", [0.0, 0.8])
-def test_anthropic(live, temperature):
+def anthropic_run(live: dict[str, Any], temperature: float) -> Run:
     client: anthropic.Anthropic = live["anthropic"]
     tools = [{"name": n, "description": n, "input_schema": s} for n, s in SCHEMAS.items()]
 
-    def run(case: tuple[str, str | None], stream: bool, salt: str) -> Any:
+    def run(case: Case, stream: bool, salt: str) -> Any:
         prompt, want = case
         kw: dict[str, Any] = {
             "model": "smol",
@@ -205,8 +163,86 @@ def test_anthropic(live, temperature):
         with client.messages.stream(**kw) as s:
             return s.get_final_message()
 
-    runs, (whole, streamed) = both(run, temperature)
-    for (prompt, want), out in runs:
+    return run
+
+
+DIALECTS: dict[str, Callable[[dict[str, Any], float], Run]] = {
+    "chat": chat_run,
+    "responses": responses_run,
+    "anthropic": anthropic_run,
+}
+TEMPERATURES = [0.0, 0.8]
+#: The case whose streamed and JSON answers are compared, by temperature: a
+#: ``required`` choice (calls may follow one another) and a named tool.
+PAIRED = {0.0: CASES[0], 0.8: CASES[2]}
+
+
+@pytest.fixture(scope="module")
+def batched(live) -> dict[tuple[str, float], list[tuple[Case, Any]]]:
+    """Every case of every dialect and temperature at once (30 requests, streamed and
+    not by turns), so they batch: every answer must be right. Batched, a row's logits
+    depend on the rows beside it in each step (products of other shapes round
+    differently), so a sampled answer may take another path: equality is not asked
+    here (see :func:`pair`)."""
+    salt = uuid.uuid4().hex
+    runs = {(d, t): make(live, t) for d, make in DIALECTS.items() for t in TEMPERATURES}
+    with ThreadPoolExecutor(len(runs) * len(CASES)) as pool:
+        jobs = {
+            key: [(c, pool.submit(run, c, i % 2 == 1, salt)) for i, c in enumerate(CASES)]
+            for key, run in runs.items()
+        }
+        return {key: [(c, j.result()) for c, j in js] for key, js in jobs.items()}
+
+
+def pair(run: Run, temperature: float) -> tuple[Case, Any, Any]:
+    """:data:`PAIRED`'s case sent alone, JSON then streamed, each under a salt of its
+    own (no cached prefix): the two come from the same computation and must be equal.
+    Returns (case, JSON answer, streamed answer)."""
+    case = PAIRED[temperature]
+    return case, run(case, False, uuid.uuid4().hex), run(case, True, uuid.uuid4().hex)
+
+
+@pytest.mark.parametrize("temperature", TEMPERATURES)
+def test_chat_completions(live, batched, temperature):
+    case, whole, streamed = pair(chat_run(live, temperature), temperature)
+
+    def calls(out: Any) -> list[tuple[str, str]]:
+        return [(t.function.name, t.function.arguments) for t in out.choices[0].message.tool_calls]
+
+    for (prompt, want), out in [*batched["chat", temperature], (case, whole), (case, streamed)]:
+        c = out.choices[0]
+        assert c.finish_reason == "tool_calls", (prompt, out)
+        assert not (c.message.content or "").strip(), out
+        check_calls(calls(out), want)
+    assert calls(streamed) == calls(whole)
+
+
+@pytest.mark.parametrize("temperature", TEMPERATURES)
+def test_responses(live, batched, temperature):
+    case, whole, streamed = pair(responses_run(live, temperature), temperature)
+
+    def calls(out: Any) -> list[tuple[str, str]]:
+        return [(o.name, o.arguments) for o in out.output if o.type == "function_call"]
+
+    for (prompt, want), out in [
+        *batched["responses", temperature],
+        (case, whole),
+        (case, streamed),
+    ]:
+        assert out.status == "completed", (prompt, out)
+        assert not out.output_text.strip(), out
+        check_calls(calls(out), want)
+    assert calls(streamed) == calls(whole)
+
+
+@pytest.mark.parametrize("temperature", TEMPERATURES)
+def test_anthropic(live, batched, temperature):
+    case, whole, streamed = pair(anthropic_run(live, temperature), temperature)
+    for (prompt, want), out in [
+        *batched["anthropic", temperature],
+        (case, whole),
+        (case, streamed),
+    ]:
         assert out.stop_reason == "tool_use", (prompt, out)
         assert all(b.type == "tool_use" for b in out.content), out
         check_calls([(b.name, json.dumps(b.input)) for b in out.content], want)
