@@ -177,7 +177,7 @@ TOOLS = [
 
 @pytest.fixture(scope="module")
 def engine(default_model):
-    e = Engine(default_model, EngineConfig(max_batch=16, num_blocks=2048))
+    e = Engine(default_model, EngineConfig(max_batch=64, num_blocks=4096))
     yield e
     e.close()
 
@@ -210,18 +210,94 @@ def text_of(events) -> str:
 #: The schemas ``make test`` runs (the full set runs in bench/bench_constrained.py,
 #: whose pass rates are in bench/RESULTS.md).
 IN_TESTS = [0, 1, 2, 3, 5, 6, 9, 10, 15, 17, 20, 25]
+TEMPERATURES = [0.0, 0.8]
+#: (prompt, tool choice, the tool a named choice calls).
+FORCED = [
+    ("What is the weather in Paris?", "required", None),
+    ("What is 2 plus 3?", {"name": "add"}, "add"),
+    ("Find news about llamas.", {"name": "search"}, "search"),
+    ("Hello!", {"name": "get_weather"}, "get_weather"),
+    ("Tell me a joke.", "required", None),
+]
+STRICT = [Tool(t.name, t.description, t.parameters, strict=True) for t in TOOLS]
+STORY = {"type": "object", "properties": {"story": {"type": "string"}}, "required": ["story"]}
 
 
-@pytest.mark.parametrize("temperature", [0.0, 0.8])
-def test_structured_outputs_follow_their_schema(engine, temperature):
+def structured(temperature: float) -> list[ChatRequest]:
+    cases = [SCHEMAS[i] for i in IN_TESTS]
+    return [answer(p, s, temperature, seed=i) for i, (p, s) in enumerate(cases)]
+
+
+def forced(temperature: float, parallel: bool) -> list[ChatRequest]:
+    return [
+        ChatRequest(
+            [Message("user", prompt)],
+            # Room for the few calls a required choice may make before it stops.
+            max_tokens=240 if parallel else 120,
+            sampling=SamplingParams(temperature=temperature, seed=3),
+            tools=TOOLS,
+            tool_choice=choice,
+            parallel_tool_calls=parallel,
+        )
+        for prompt, choice, _ in FORCED
+    ]
+
+
+def strict_auto() -> ChatRequest:
+    return ChatRequest(
+        [Message("user", "Weather in Paris please.")],
+        max_tokens=120,
+        sampling=SamplingParams(temperature=0.0),
+        tools=STRICT,
+        tool_choice="auto",
+    )
+
+
+@pytest.fixture(scope="module")
+def answers(engine):
+    """Every generation the tests below check, submitted together: one batch, as a
+    server under load runs them (a row's grammar is its own whatever is beside it).
+    By key, the events of each of that key's requests."""
+    groups = {
+        **{("structured", t): structured(t) for t in TEMPERATURES},
+        **{("forced", t, par): forced(t, par) for t in TEMPERATURES for par in (False, True)},
+        ("json object",): [answer("Describe a car.", None, 0.0, json_object=True)],
+        ("parallel",): [
+            ChatRequest(
+                [Message("user", "Weather in Paris and in Rome?")],
+                max_tokens=160,
+                sampling=SamplingParams(temperature=0.0),
+                tools=TOOLS[:1],
+                tool_choice="required",
+            )
+        ],
+        ("schema or tools",): [
+            answer(
+                "A person named Ann, 30 years old.",
+                SCHEMAS[0][1],
+                0.0,
+                tools=TOOLS,
+                tool_choice="auto",
+            )
+        ],
+        ("cut",): [answer("Tell a very long story.", STORY, 0.0, max_tokens=6)],
+        ("strict auto",): [strict_auto()],
+    }
+    events = iter(run_all(engine, [r for reqs in groups.values() for r in reqs]))
+    out = {key: [next(events) for _ in reqs] for key, reqs in groups.items()}
+    assert_at_rest(engine)
+    return out
+
+
+@pytest.mark.parametrize("temperature", TEMPERATURES)
+def test_structured_outputs_follow_their_schema(answers, temperature):
     """What the grammar guarantees: an answer that ends (end of turn) parses and
     validates; one cut by max_tokens is a prefix the grammar allowed, never text
     that breaks it. A small model can still loop inside a string until max_tokens."""
     assert len(SCHEMAS) >= 30
     cases = [SCHEMAS[i] for i in IN_TESTS]
-    reqs = [answer(p, s, temperature, seed=i) for i, (p, s) in enumerate(cases)]
     ended = 0
-    for (prompt, schema), events in zip(cases, run_all(engine, reqs), strict=True):
+    for (prompt, schema), events in zip(cases, answers["structured", temperature], strict=True):
         done = events[-1]
         assert isinstance(done, Done), (prompt, done)
         text = text_of(events)
@@ -232,40 +308,22 @@ def test_structured_outputs_follow_their_schema(engine, temperature):
         jsonschema.validate(json.loads(text), schema)
         ended += 1
     assert ended >= len(cases) - 2, f"only {ended} of {len(cases)} answers ended"
-    assert_at_rest(engine)
 
 
-def test_json_object_is_an_object(engine):
-    (events,) = run_all(engine, [answer("Describe a car.", None, 0.0, json_object=True)])
+def test_json_object_is_an_object(answers):
+    (events,) = answers["json object",]
     assert isinstance(json.loads(text_of(events)), dict)
 
 
 @pytest.mark.parametrize("parallel", [False, True])
-@pytest.mark.parametrize("temperature", [0.0, 0.8])
-def test_forced_tool_choice_calls_the_right_tool(engine, temperature, parallel):
+@pytest.mark.parametrize("temperature", TEMPERATURES)
+def test_forced_tool_choice_calls_the_right_tool(answers, temperature, parallel):
     """A named choice is one call whatever ``parallel_tool_calls`` says; ``required``
     is one call without parallel calls, else one or more, never the same twice."""
-    cases = [
-        ("What is the weather in Paris?", "required", None),
-        ("What is 2 plus 3?", {"name": "add"}, "add"),
-        ("Find news about llamas.", {"name": "search"}, "search"),
-        ("Hello!", {"name": "get_weather"}, "get_weather"),
-        ("Tell me a joke.", "required", None),
-    ]
-    reqs = [
-        ChatRequest(
-            [Message("user", prompt)],
-            # Room for the few calls a required choice may make before it stops.
-            max_tokens=240 if parallel else 120,
-            sampling=SamplingParams(temperature=temperature, seed=3),
-            tools=TOOLS,
-            tool_choice=choice,
-            parallel_tool_calls=parallel,
-        )
-        for prompt, choice, _ in cases
-    ]
     by_name = {t.name: t for t in TOOLS}
-    for (prompt, _, want), events in zip(cases, run_all(engine, reqs), strict=True):
+    for (prompt, _, want), events in zip(
+        FORCED, answers["forced", temperature, parallel], strict=True
+    ):
         calls = [e for e in events if isinstance(e, ToolCall)]
         assert isinstance(events[-1], Done) and events[-1].stop_reason == "tool_use", (
             prompt,
@@ -281,35 +339,25 @@ def test_forced_tool_choice_calls_the_right_tool(engine, temperature, parallel):
         assert text_of(events).strip() == ""
 
 
-def test_parallel_calls_are_allowed_when_asked(engine):
-    req = ChatRequest(
-        [Message("user", "Weather in Paris and in Rome?")],
-        max_tokens=160,
-        sampling=SamplingParams(temperature=0.0),
-        tools=TOOLS[:1],
-        tool_choice="required",
-    )
-    (events,) = run_all(engine, [req])
+def test_parallel_calls_are_allowed_when_asked(answers):
+    (events,) = answers["parallel",]
     calls = [e for e in events if isinstance(e, ToolCall)]
     assert len(calls) > 1 and all(c.name == "get_weather" for c in calls)
 
 
-def test_structured_output_with_tools_offered_is_a_call_or_an_answer(engine):
-    schema = SCHEMAS[0][1]
-    req = answer("A person named Ann, 30 years old.", schema, 0.0, tools=TOOLS, tool_choice="auto")
-    (events,) = run_all(engine, [req])
+def test_structured_output_with_tools_offered_is_a_call_or_an_answer(answers):
+    (events,) = answers["schema or tools",]
     calls = [e for e in events if isinstance(e, ToolCall)]
     if calls:
         jsonschema.validate(
             json.loads(calls[0].arguments), {t.name: t for t in TOOLS}[calls[0].name].parameters
         )
     else:
-        jsonschema.validate(json.loads(text_of(events)), schema)
+        jsonschema.validate(json.loads(text_of(events)), SCHEMAS[0][1])
 
 
-def test_max_tokens_inside_the_grammar_ends_as_max_tokens(engine):
-    schema = {"type": "object", "properties": {"story": {"type": "string"}}, "required": ["story"]}
-    (events,) = run_all(engine, [answer("Tell a very long story.", schema, 0.0, max_tokens=6)])
+def test_max_tokens_inside_the_grammar_ends_as_max_tokens(answers):
+    (events,) = answers["cut",]
     assert isinstance(events[-1], Done) and events[-1].stop_reason == "max_tokens"
     assert re.match(r'\{\s*"story":\s*"', text_of(events)), text_of(events)
 
@@ -336,19 +384,11 @@ def test_a_schema_that_cannot_compile_is_refused_before_any_work(engine):
     assert engine.stats().requests_total == before
 
 
-def test_strict_tools_under_auto_constrain_a_call_once_it_opens(engine, default_model):
+def test_strict_tools_under_auto_constrain_a_call_once_it_opens(engine, answers, default_model):
     """Free text stays free; a call the model opens must match its strict schema."""
     from mlx_cairn import constrain
 
-    strict = [Tool(t.name, t.description, t.parameters, strict=True) for t in TOOLS]
-    req = ChatRequest(
-        [Message("user", "Weather in Paris please.")],
-        max_tokens=120,
-        sampling=SamplingParams(temperature=0.0),
-        tools=strict,
-        tool_choice="auto",
-    )
-    prepared = engine.prepare(req)
+    prepared = engine.prepare(strict_auto())
     assert prepared.grammar is not None
     vocab = constrain.vocabulary(default_model)
     tok = default_model.tokenizer
@@ -369,7 +409,7 @@ def test_strict_tools_under_auto_constrain_a_call_once_it_opens(engine, default_
     )
     assert not allowed('Let me check. <tool_call>\n{"name": "get_time"')
     assert not allowed('<tool_call>\n{"name": "add", "arguments": {"a": "one"')
-    (events,) = run_all(engine, [req])
+    (events,) = answers["strict auto",]
     assert isinstance(events[-1], Done)
     for call in (e for e in events if isinstance(e, ToolCall)):
         jsonschema.validate(
