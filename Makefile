@@ -13,7 +13,7 @@ PORT      ?= 8080
 SERVE_ARGS ?= --default-model --clamp-max-tokens
 # Seconds per fuzz target: `make fuzz` (long) and the short run inside `make test`.
 FUZZ_SECONDS       ?= 60
-FUZZ_SECONDS_SHORT ?= 10
+FUZZ_SECONDS_SHORT ?= 5
 # The tool-call format targets (text_format_*, one per family over one shared
 # harness) get this many seconds each; the short run keeps them brief.
 FUZZ_FORMAT_SECONDS       ?= $(FUZZ_SECONDS)

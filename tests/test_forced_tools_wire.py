@@ -266,14 +266,6 @@ def test_a_call_cut_by_max_tokens_leaves_no_markup(live, max_tokens):
         "temperature": 0,
         "max_tokens": max_tokens,
     }
-    whole = oa.chat.completions.create(**kw).choices[0]
-    assert whole.finish_reason == "length", whole
-    assert not whole.message.content and not whole.message.tool_calls, whole
-    # The SDK's stream helper refuses a cut answer (LengthFinishReasonError): the raw chunks.
-    chunks = [c for c in oa.chat.completions.create(**kw, stream=True) if c.choices]
-    assert not "".join(c.choices[0].delta.content or "" for c in chunks)
-    assert not [c for c in chunks if c.choices[0].delta.tool_calls]
-    assert chunks[-1].choices[0].finish_reason == "length"
     akw: dict[str, Any] = {
         "model": "smol",
         "max_tokens": max_tokens,
@@ -282,9 +274,27 @@ def test_a_call_cut_by_max_tokens_leaves_no_markup(live, max_tokens):
         "tool_choice": {"type": "any"},
         "extra_body": {"temperature": 0},
     }
-    msg = an.messages.create(**akw)
-    with an.messages.stream(**akw) as s:
-        smsg = s.get_final_message()
+
+    def anthropic_streamed() -> Any:
+        with an.messages.stream(**akw) as s:
+            return s.get_final_message()
+
+    with ThreadPoolExecutor(4) as pool:  # all four at once: they batch
+        jobs = [
+            pool.submit(oa.chat.completions.create, **kw),
+            # The SDK's stream helper refuses a cut answer (LengthFinishReasonError): the raw chunks.
+            pool.submit(lambda: [c for c in oa.chat.completions.create(**kw, stream=True)]),
+            pool.submit(an.messages.create, **akw),
+            pool.submit(anthropic_streamed),
+        ]
+        out, raw, msg, smsg = (j.result() for j in jobs)
+    whole = out.choices[0]
+    assert whole.finish_reason == "length", whole
+    assert not whole.message.content and not whole.message.tool_calls, whole
+    chunks = [c for c in raw if c.choices]
+    assert not "".join(c.choices[0].delta.content or "" for c in chunks)
+    assert not [c for c in chunks if c.choices[0].delta.tool_calls]
+    assert chunks[-1].choices[0].finish_reason == "length"
     for m in (msg, smsg):
         assert m.stop_reason == "max_tokens" and m.content == [], m
 
