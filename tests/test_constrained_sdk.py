@@ -6,6 +6,7 @@ Streamed and non-streamed answers are equal."""
 from __future__ import annotations
 
 import json
+import uuid
 from collections.abc import Iterator
 from typing import Any
 
@@ -98,11 +99,14 @@ def test_chat_json_object_and_stream_equals_create(live):
         "temperature": 0,
         "max_tokens": 80,
     }
-    whole = client.chat.completions.create(**kw)
+    # Each under a salt of its own: no cached prefix, the same computation twice.
+    whole = client.chat.completions.create(**kw, extra_body={"cache_salt": uuid.uuid4().hex})
     text = whole.choices[0].message.content or ""
     streamed = "".join(
         c.choices[0].delta.content or ""
-        for c in client.chat.completions.create(**kw, stream=True)
+        for c in client.chat.completions.create(
+            **kw, stream=True, extra_body={"cache_salt": uuid.uuid4().hex}
+        )
         if c.choices
     )
     assert streamed == text
@@ -187,10 +191,14 @@ def test_anthropic_forced_tools_stream_equals_create(live):
             "messages": [{"role": "user", "content": "Add 2 and 3."}],
             "tools": tools,
             "tool_choice": choice,
-            "extra_body": {"temperature": 0},
         }
-        msg = client.messages.create(**kw)
-        with client.messages.stream(**kw) as s:
+        # Each under a salt of its own: no cached prefix, the same computation twice.
+        msg = client.messages.create(
+            **kw, extra_body={"temperature": 0, "cache_salt": uuid.uuid4().hex}
+        )
+        with client.messages.stream(
+            **kw, extra_body={"temperature": 0, "cache_salt": uuid.uuid4().hex}
+        ) as s:
             streamed = s.get_final_message()
         assert msg.stop_reason == "tool_use" == streamed.stop_reason
         uses = [b for b in msg.content if b.type == "tool_use"]

@@ -322,11 +322,16 @@ def test_logprobs_cover_every_generated_token(live, prompt):
             "logprobs": True,
             "top_logprobs": 2,
         }
-        whole = client.chat.completions.create(**kw)
+        # Each under a salt of its own: no cached prefix, the same computation twice.
+        whole = client.chat.completions.create(**kw, extra_body={"cache_salt": uuid.uuid4().hex})
         c = whole.choices[0]
         ended = 0 if c.finish_reason == "length" else 1
         assert len(c.logprobs.content) == whole.usage.completion_tokens - ended, whole
-        chunks = list(client.chat.completions.create(**kw, stream=True))
+        chunks = list(
+            client.chat.completions.create(
+                **kw, stream=True, extra_body={"cache_salt": uuid.uuid4().hex}
+            )
+        )
         entries = [
             e.token
             for ch in chunks
