@@ -55,7 +55,7 @@ from mlx_cairn.types import (
 )
 
 sys.path.insert(0, str(Path(__file__).parent.parent / "tests"))
-from test_constrained import SCHEMAS, TOOLS
+from test_constrained import FORCED, SCHEMAS, TOOLS
 
 
 def pass_rates(engine: Engine, temperature: float) -> tuple[int, int, int]:
@@ -83,15 +83,6 @@ def pass_rates(engine: Engine, temperature: float) -> tuple[int, int, int]:
         jsonschema.validate(json.loads(text), schema)  # an ended answer always validates
         ok += 1
     return ok, cut, len(SCHEMAS)
-
-
-FORCED = [
-    ("What is the weather in Paris?", "required", None),
-    ("What is 2 plus 3?", {"name": "add"}, "add"),
-    ("Find news about llamas.", {"name": "search"}, "search"),
-    ("Hello!", {"name": "get_weather"}, "get_weather"),
-    ("Tell me a joke.", "required", None),
-]
 
 
 def forced_calls(lm, family: str) -> tuple[int, int]:
