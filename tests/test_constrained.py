@@ -11,7 +11,7 @@ import pytest
 
 from mlx_cairn.engine import Engine, EngineConfig
 from mlx_cairn.errors import InvalidRequest
-from mlx_cairn.testing.engine_checks import assert_at_rest
+from mlx_cairn.testing.engine_checks import assert_at_rest, submit_together
 from mlx_cairn.types import (
     ChatRequest,
     Done,
@@ -197,9 +197,7 @@ def answer(
 
 
 def run_all(engine, requests):
-    prepared = [engine.prepare(r) for r in requests]
-    with engine._lock:  # submitted together: constrained rows batch with each other
-        streams = [engine.submit(p) for p in prepared]
+    streams = submit_together(engine, requests)  # constrained rows batch with each other
     return [list(s.iter_sync(TIMEOUT)) for s in streams]
 
 

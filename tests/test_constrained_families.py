@@ -16,7 +16,7 @@ from mlx_cairn import constrain
 from mlx_cairn._core import GrammarVocabulary
 from mlx_cairn.constrain.compile import compile_grammar
 from mlx_cairn.errors import InvalidRequest
-from mlx_cairn.testing.engine_checks import assert_at_rest
+from mlx_cairn.testing.engine_checks import assert_at_rest, submit_together
 from mlx_cairn.testing.tiny_models import tiny_model, tiny_tokenizer
 from mlx_cairn.text import keeps_special_tokens, parse_output, tool_schemas
 from mlx_cairn.types import ChatRequest, Message, Tool
@@ -385,8 +385,11 @@ def test_the_embedded_model_calls_in_every_family(default_model):
         # it in the prefix cache, so the batch prefills only what differs.
         warm = dataclasses.replace(prepared[0][1], max_tokens=1)
         list(engine.submit(warm).iter_sync(300))
-        with engine._lock:
-            streams = [(family, engine.submit(p)) for family, p in prepared]
+        streams = zip(
+            [f for f, _ in prepared],
+            submit_together(engine, [p for _, p in prepared]),
+            strict=True,
+        )
         ended = 0
         for (family, s), (_, name) in zip(streams, cases * len(FAMILIES), strict=True):
             events = list(s.iter_sync(300))

@@ -12,7 +12,12 @@ from mlx_cairn.engine import Engine, EngineConfig, paged
 from mlx_cairn.engine.config import DEFAULT_MAX_BATCH
 from mlx_cairn.engine.stats import EngineStats
 from mlx_cairn.errors import ContextLengthExceeded, EngineError, InvalidRequest
-from mlx_cairn.testing.engine_checks import assert_at_rest, closing_at_rest, greedy_reference
+from mlx_cairn.testing.engine_checks import (
+    assert_at_rest,
+    closing_at_rest,
+    greedy_reference,
+    submit_together,
+)
 from mlx_cairn.testing.tiny_models import tiny_model
 from mlx_cairn.types import Admitted, ChatRequest, Done, Error, Message, SamplingParams, TextDelta
 
@@ -176,9 +181,8 @@ def test_fault_mid_decode_fails_the_batch_but_not_the_queue(lm):
 
     e._fault_hook = hook
     try:
-        ready = [e.prepare(req(f"first {i}", max_tokens=40)) for i in range(2)]
-        with e._lock:  # both rows prefill in step 1
-            batch = [e.submit(r) for r in ready]
+        # Both rows prefill in step 1.
+        batch = submit_together(e, [req(f"first {i}", max_tokens=40) for i in range(2)])
         queued = e.submit(req("queued"))  # max_batch=2: waits outside the batch
         for s in batch:
             last = list(s.iter_sync(TIMEOUT))[-1]

@@ -14,6 +14,7 @@ from mlx_cairn.testing.engine_checks import (
     engines_at_rest,
     greedy_reference,
     reference_ids,
+    submit_together,
 )
 from mlx_cairn.testing.tiny_models import tiny_model
 from mlx_cairn.types import ChatRequest, Done, Error, Message, SamplingParams, TextDelta
@@ -161,9 +162,7 @@ def test_preemption_in_a_tiny_pool(lm, make_engine):
     # No decode share: rows side by side (the share may let one finish first).
     engine = make_engine(num_blocks=25, step_token_budget=16, decode_share=0)
     reqs = [greedy(p, max_tokens=32) for p in PROMPTS]
-    prepared = [engine.prepare(r) for r in reqs]
-    with engine._lock:  # submitted together: they meet in the pool however slow the machine
-        streams = [engine.submit(r) for r in prepared]
+    streams = submit_together(engine, reqs)  # they meet in the pool
     for req, s in zip(reqs, streams, strict=True):
         assert isinstance(drain(s)[-1], Done)
         assert s.output_ids == reference(lm, engine, req)

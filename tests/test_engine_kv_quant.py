@@ -12,7 +12,7 @@ from mlx_lm.models.cache import KVCache, QuantizedKVCache, make_prompt_cache
 
 from mlx_cairn.backends.cpu import attention as cpu_attention
 from mlx_cairn.engine import Engine, EngineConfig
-from mlx_cairn.testing.engine_checks import closing_at_rest, greedy_base
+from mlx_cairn.testing.engine_checks import closing_at_rest, greedy_base, submit_together
 from mlx_cairn.testing.tiny_models import tiny_zoo_model
 from mlx_cairn.types import Done
 
@@ -152,8 +152,9 @@ def test_prefix_sharing_partial_copy_and_preemption_on_quantized_blocks(lm):
                 Engine(lm, EngineConfig(num_blocks=64, block_size=16, kv_bits=8))
             ) as f:
                 want.append(_ids(f, p, 20))
-        with e._lock:  # submitted together: they meet in the pool however slow the machine
-            subs = [e.submit(dataclasses.replace(base, prompt_ids=p, max_tokens=20)) for p in long]
+        subs = submit_together(  # they meet in the pool
+            e, [dataclasses.replace(base, prompt_ids=p, max_tokens=20) for p in long]
+        )
         for s in subs:
             assert isinstance(list(s.iter_sync(timeout=TIMEOUT))[-1], Done)
         assert [list(s.output_ids) for s in subs] == want

@@ -10,7 +10,7 @@ from mlx_cairn.engine import Engine, EngineConfig
 from mlx_cairn.engine.reference import prefill
 from mlx_cairn.errors import InvalidRequest
 from mlx_cairn.models.cache import ContiguousKVCache
-from mlx_cairn.testing.engine_checks import assert_at_rest, reference_ids
+from mlx_cairn.testing.engine_checks import assert_at_rest, reference_ids, submit_together
 from mlx_cairn.testing.tiny_models import tiny_model
 from mlx_cairn.types import ChatRequest, Done, Message, SamplingParams, TokenLogprob
 
@@ -60,8 +60,7 @@ def test_batched_processors_equal_the_plain_reference(lm, engine):
     prompts = ["a b c a b c", "Hello there", "x " * 9, "one two", "repeat repeat", "zz", "q", "k k"]
     requests = [req(p, 14, **s) for p, s in zip(prompts, SETTINGS, strict=True)]
     prepared = [engine.prepare(r) for r in requests]
-    with engine._lock:  # submitted together: they share steps
-        streams = [engine.submit(p) for p in prepared]
+    streams = submit_together(engine, prepared)  # they share steps
     for p, s in zip(prepared, streams, strict=True):
         events = list(s.iter_sync(TIMEOUT))
         assert isinstance(events[-1], Done), events[-1]

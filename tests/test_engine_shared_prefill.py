@@ -17,6 +17,7 @@ from mlx_cairn.testing.engine_checks import (
     closing_at_rest,
     greedy_base,
     greedy_reference,
+    submit_together,
 )
 from mlx_cairn.testing.tiny_configs import HYBRID_CONFIGS
 from mlx_cairn.testing.tiny_models import mlx_lm_greedy, tiny_model, tiny_zoo_model
@@ -158,8 +159,7 @@ def _prepared(engine: Engine, prompt: list[int], **kw: object) -> PreparedReques
 
 
 def _together(engine: Engine, prepared: list[PreparedRequest]) -> list[list]:
-    with engine._lock:  # submitted together: planned in the same steps
-        streams = [engine.submit(p) for p in prepared]
+    streams = submit_together(engine, prepared)  # planned in the same steps
     events = [list(s.iter_sync(timeout=TIMEOUT)) for s in streams]
     return [[*ev, list(s.output_ids)] for ev, s in zip(events, streams, strict=True)]
 

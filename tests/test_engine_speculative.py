@@ -11,7 +11,12 @@ import pytest
 
 from mlx_cairn.engine import Engine, EngineConfig
 from mlx_cairn.engine.speculate import NgramProposer, RowSpec, VerifyRow, verify
-from mlx_cairn.testing.engine_checks import assert_at_rest, greedy_reference, greedy_reference_at
+from mlx_cairn.testing.engine_checks import (
+    assert_at_rest,
+    greedy_reference,
+    greedy_reference_at,
+    submit_together,
+)
 from mlx_cairn.testing.tiny_models import tiny_model
 from mlx_cairn.types import Admitted, ChatRequest, Done, Error, Message, SamplingParams
 
@@ -258,9 +263,7 @@ def test_preemption_under_a_small_pool_keeps_outputs_exact(lm, spec, kv):
     # No decode share: rows side by side (the share may let one finish first).
     config = EngineConfig(**spec, **kw, num_blocks=40, block_size=4, max_batch=8, decode_share=0)
     with Engine(lm, config) as eng:
-        prepared = [eng.prepare(r) for r in reqs]
-        with eng._lock:  # submitted together: they meet in the pool however slow the machine
-            streams = [eng.submit(r) for r in prepared]
+        streams = submit_together(eng, reqs)  # they meet in the pool
         for s, r in zip(streams, reqs, strict=True):
             list(s.iter_sync(timeout=TIMEOUT))
             assert s.output_ids == greedy_reference_at(lm, eng.prepare(r).prompt_ids, 40, **kw)

@@ -19,7 +19,7 @@ from typing import Any
 import httpx
 import pytest
 
-from live_server import registry_for, serve
+from live_server import registry_for, serve, wait_until
 from mlx_cairn.api import ServerConfig
 from mlx_cairn.engine import Engine, EngineConfig
 from mlx_cairn.testing.engine_checks import assert_at_rest
@@ -189,11 +189,10 @@ def test_tiny_pool_preempts_and_queues_without_client_errors(env):
         first = pool.submit(run, jobs[0])
         assert hook.entered.wait(WAIT), "the engine never reached the step"
         rest = [pool.submit(run, job) for job in jobs[1:]]
-        gate = threading.Event()
-        for _ in range(int(WAIT / 0.01)):  # bounded: a request that fails never queues
-            if engine.stats().queue_depth >= len(rest) or gate.wait(0.01):
-                break
-        hook.release.set()
+        try:
+            wait_until(lambda: engine.stats().queue_depth >= len(rest), "never queued", WAIT)
+        finally:
+            hook.release.set()
         results = [f.result(90) for f in [first, *rest]]
     for (dialect, text, r), (_, _, stream) in zip(results, jobs, strict=True):
         assert r.status_code == 200, (dialect, r.text)

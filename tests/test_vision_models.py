@@ -18,7 +18,7 @@ from PIL import Image as PILImage
 from mlx_cairn.backends.cpu import attention as cpu_attention
 from mlx_cairn.engine import Engine, EngineConfig
 from mlx_cairn.models import load
-from mlx_cairn.testing.engine_checks import assert_at_rest, greedy_reference
+from mlx_cairn.testing.engine_checks import assert_at_rest, greedy_reference, submit_together
 from mlx_cairn.testing.tiny_vision import tiny_vision_folder
 from mlx_cairn.types import (
     IMAGE_MARK,
@@ -122,9 +122,7 @@ def _generate(ids: Any, model: Any, inputs: Any, max_tokens: int, extra: Any) ->
 def run(
     engine: Engine, reqs: list[ChatRequest], logprobs: list[list[float]] | None = None
 ) -> list[tuple[list[int], Done, Admitted]]:
-    prepared = [engine.prepare(r) for r in reqs]
-    with engine._lock:  # submitted together: they share steps however slow the machine
-        streams = [engine.submit(p) for p in prepared]
+    streams = submit_together(engine, reqs)  # they share steps
     out = []
     for s in streams:
         events = list(s.iter_sync(timeout=120.0))

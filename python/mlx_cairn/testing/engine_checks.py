@@ -115,6 +115,17 @@ def generate_from_ids(
     return s.output_ids, done
 
 
+def submit_together(engine: Any, requests: Any) -> list[Any]:
+    """Submit ``requests`` (chat or already prepared) so that the engine meets them all
+    at its next step, however slow the machine: each is templated first, then all are
+    queued under the engine's lock. Returns their streams."""
+    from mlx_cairn.engine.request import PreparedRequest
+
+    prepared = [r if isinstance(r, PreparedRequest) else engine.prepare(r) for r in requests]
+    with engine._lock:
+        return [engine.submit(p) for p in prepared]
+
+
 def wait_idle(engine: Any, timeout: float = 30.0) -> EngineStats:
     """Wait until the engine has nothing queued or running; return its stats."""
     deadline = time.monotonic() + timeout
